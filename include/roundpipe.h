@@ -1,0 +1,590 @@
+/*
+ * roundpipe.h - the public C API of RoundPipe.
+ *
+ * RoundPipe trains models larger than GPU memory: parameters, fp32 master weights and optimizer
+ * state live in host memory, layers are streamed to the devices a stage at a time in a
+ * round-robin pipeline, forward and backward are fused, activations are recomputed in backward,
+ * and the optimizer runs on a background thread.
+ *
+ * Conventions, for every function below:
+ *   - Fallible calls return rp_status (RP_OK == 0, errors negative). On error,
+ *     rp_last_error_message() on the same thread says what went wrong, and nothing was changed.
+ *   - Out-parameters come first. Pointers are borrowed for the duration of the call unless the
+ *     comment says otherwise.
+ *   - Tensors cross this API only as DLPack DLManagedTensor. Inputs are borrowed for the call;
+ *     tensors returned to you are yours: call their `deleter` when done.
+ *   - rp_*_destroy functions return nothing, accept NULL, and wait for work in flight first.
+ *   - One model may be driven from one thread at a time; different models are independent.
+ *   - No C++ exception and no abort crosses this API.
+ */
+#ifndef ROUNDPIPE_H
+#define ROUNDPIPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef SWIG
+#define RP_API
+#elif defined(RP_BUILDING_LIBRARY)
+#define RP_API __attribute__((visibility("default")))
+#else
+#define RP_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * DLPack 1.x declarations, written to the DLPack specification and ABI-compatible with it.
+ * If your own dlpack.h was included first, it is used instead; if it comes later, its include
+ * guard (DLPACK_DLPACK_H_) makes it a no-op.
+ * ------------------------------------------------------------------------------------------- */
+#ifndef DLPACK_DLPACK_H_
+#define DLPACK_DLPACK_H_
+#define DLPACK_MAJOR_VERSION 1
+#define DLPACK_MINOR_VERSION 0
+
+typedef struct {
+    uint32_t major;
+    uint32_t minor;
+} DLPackVersion;
+
+typedef enum {
+    kDLCPU = 1,
+    kDLCUDA = 2,
+    kDLCUDAHost = 3,
+    kDLOpenCL = 4,
+    kDLVulkan = 7,
+    kDLMetal = 8,
+    kDLVPI = 9,
+    kDLROCM = 10,
+    kDLROCMHost = 11,
+    kDLExtDev = 12,
+    kDLCUDAManaged = 13,
+    kDLOneAPI = 14,
+    kDLWebGPU = 15,
+    kDLHexagon = 16,
+    kDLMAIA = 17
+} DLDeviceType;
+
+typedef struct {
+    DLDeviceType device_type;
+    int32_t device_id;
+} DLDevice;
+
+typedef enum {
+    kDLInt = 0,
+    kDLUInt = 1,
+    kDLFloat = 2,
+    kDLOpaqueHandle = 3,
+    kDLBfloat = 4,
+    kDLComplex = 5,
+    kDLBool = 6
+} DLDataTypeCode;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags;
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+#endif /* DLPACK_DLPACK_H_ */
+
+/* ---------------------------------------------------------------------------------------------
+ * Status, errors, versions, logging
+ * ------------------------------------------------------------------------------------------- */
+
+/** Result of every fallible call. */
+typedef enum rp_status {
+    RP_OK = 0,
+    RP_ERR_INVALID_ARGUMENT = -1, /**< bad pointer, value, shape, dtype, device or spec */
+    RP_ERR_OUT_OF_MEMORY = -2,    /**< host or device allocation failed */
+    RP_ERR_IO = -3,               /**< a file could not be read, written or parsed */
+    RP_ERR_CUDA = -4,             /**< a CUDA call failed */
+    RP_ERR_CALLBACK = -5,         /**< a user callback reported failure */
+    RP_ERR_STATE = -6,            /**< the call is not allowed in the model's current state */
+    RP_ERR_INTERNAL = -7          /**< a bug in RoundPipe; please report it with the message */
+} rp_status;
+
+/** Version of the library as "MAJOR.MINOR.PATCH". Static storage. Any thread. */
+RP_API const char *rp_version(void);
+
+/** ABI version of the library. Bindings compare it with the RP_ABI_VERSION they were written
+ * for and refuse to load on mismatch. Any thread. */
+RP_API int32_t rp_abi_version(void);
+
+/** Short English name of a status ("invalid argument", ...). Static storage. Any thread. */
+RP_API const char *rp_status_string(rp_status status);
+
+/** Message describing the last error on the calling thread ("" when none). Library-owned,
+ * valid until the next RoundPipe call on this thread. Any thread. */
+RP_API const char *rp_last_error_message(void);
+
+/** Log levels, in increasing severity. */
+typedef enum rp_log_level {
+    RP_LOG_DEBUG = 0,
+    RP_LOG_INFO = 1,
+    RP_LOG_WARN = 2,
+    RP_LOG_ERROR = 3
+} rp_log_level;
+
+/** Log sink. `message` is borrowed for the call. Called from any RoundPipe thread (caller,
+ * device workers, optimizer thread), one call at a time. Must not call back into RoundPipe. */
+typedef void (*rp_log_fn)(int32_t level, const char *message, void *user_data);
+
+/**
+ * Route library log messages at or above `min_level` to `fn` (NULL restores the default sink,
+ * which writes RP_LOG_WARN and above to stderr). Any thread.
+ * @return RP_OK, or RP_ERR_INVALID_ARGUMENT for a level outside rp_log_level.
+ */
+RP_API rp_status rp_set_log_callback(rp_log_fn fn, int32_t min_level, void *user_data);
+
+/**
+ * Number of CUDA GPUs visible to this process (0 without a GPU or without a CUDA build).
+ * @param out_count receives the count.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). Any thread.
+ */
+RP_API rp_status rp_cuda_device_count(int32_t *out_count);
+
+/* ---------------------------------------------------------------------------------------------
+ * Enumerations used by options
+ * ------------------------------------------------------------------------------------------- */
+
+/** Floating-point types for weights and optimizer state. */
+typedef enum rp_dtype {
+    RP_DTYPE_DEFAULT = 0, /**< inherit / built-in default */
+    RP_DTYPE_F32 = 1,
+    RP_DTYPE_BF16 = 2,
+    RP_DTYPE_F16 = 3
+} rp_dtype;
+
+/** How host copies of the model weights are pinned (upstream's pin_model). */
+typedef enum rp_pin_mode {
+    RP_PIN_ALLOC = 0,    /**< page-locked allocation (default; fastest uploads) */
+    RP_PIN_REGISTER = 1, /**< cudaHostRegister over ordinary memory (less host memory) */
+    RP_PIN_OFF = 2       /**< pageable memory */
+} rp_pin_mode;
+
+/** Which kind of device runs the stages. */
+typedef enum rp_device_kind {
+    RP_DEVICE_AUTO = 0, /**< all visible GPUs, else CPU worker devices */
+    RP_DEVICE_CPU = 1,  /**< CPU worker devices, even when GPUs are visible */
+    RP_DEVICE_CUDA = 2  /**< GPUs; model creation fails when none is visible */
+} rp_device_kind;
+
+/** Granularity of activation recomputation in backward. */
+typedef enum rp_recompute_grain {
+    RP_GRAIN_DEFAULT = 0, /**< inherit / built-in default (stage) */
+    RP_GRAIN_STAGE = 1,   /**< recompute a whole stage, then run its backward */
+    RP_GRAIN_LAYER = 2    /**< recompute and back-propagate one layer at a time */
+} rp_recompute_grain;
+
+/** Value for rp_run_config_set_input_split_dim: give every microbatch the whole tensor. */
+#define RP_SPLIT_REPLICATE (-1)
+
+/* ---------------------------------------------------------------------------------------------
+ * Run configuration (upstream's RoundPipeRunConfig)
+ * ------------------------------------------------------------------------------------------- */
+
+/** Run configuration. Every field starts "unset": a per-call configuration overrides the
+ * model-level one field by field, and fields unset in both take the built-in defaults. */
+typedef struct rp_run_config rp_run_config;
+
+/**
+ * Custom microbatch split. Called on the caller's thread once per call, before any work starts.
+ * @param out_pieces array of num_microbatch * n_inputs slots; fill slot [m * n_inputs + i] with
+ *        microbatch m of input i. RoundPipe takes ownership of every tensor stored there (it
+ *        calls their deleters), also when the callback fails.
+ * @param inputs the call's inputs, borrowed for the callback.
+ * @return 0 on success; any other value aborts the call with RP_ERR_CALLBACK.
+ */
+typedef int32_t (*rp_split_fn)(DLManagedTensor **out_pieces, const DLManagedTensor *const *inputs,
+                               size_t n_inputs, int32_t num_microbatch, void *user_data);
+
+/** Create a run configuration with every field unset. Caller frees with
+ * rp_run_config_destroy. @return RP_OK, RP_ERR_INVALID_ARGUMENT or RP_ERR_OUT_OF_MEMORY. */
+RP_API rp_status rp_run_config_create(rp_run_config **out_config);
+
+/** Free a run configuration. NULL is ignored. A model keeps its own copy. */
+RP_API void rp_run_config_destroy(rp_run_config *config);
+
+/** Number of microbatches (>= 1; 0 unsets). Default: number of devices + 1.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL config, negative or > 65536). */
+RP_API rp_status rp_run_config_set_num_microbatch(rp_run_config *config, int32_t num_microbatch);
+
+/** Recompute granularity (RP_GRAIN_DEFAULT unsets). Default: RP_GRAIN_STAGE.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_run_config_set_recompute_grain(rp_run_config *config, int32_t grain);
+
+/** Where outputs are returned: kDLCPU (default; device_id ignored) or kDLCUDA with a GPU index.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (other device types, negative index). A GPU that
+ * does not exist is reported when the configuration is used. */
+RP_API rp_status rp_run_config_set_output_device(rp_run_config *config, int32_t device_type,
+                                                 int32_t device_id);
+
+/** How input `input_index` is split into microbatches: a dimension >= 0 (default 0 for tensors
+ * with at least one dimension; 0-d tensors are always replicated) or RP_SPLIT_REPLICATE.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (index outside 0..63, dim < -1). */
+RP_API rp_status rp_run_config_set_input_split_dim(rp_run_config *config, int32_t input_index,
+                                                   int32_t dim);
+
+/** How labels are split: a dimension >= 0 (default 0) or RP_SPLIT_REPLICATE.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_run_config_set_label_split_dim(rp_run_config *config, int32_t dim);
+
+/** Replace the input split rules by a callback (NULL unsets). `user_data` is passed back
+ * unchanged and must outlive every call that uses this configuration.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_run_config_set_split_callback(rp_run_config *config, rp_split_fn fn,
+                                                  void *user_data);
+
+/** 1 (default): outputs of the microbatches are merged (tensors with dimensions concatenated
+ * along dim 0, 0-d tensors averaged) into one tensor. 0: one output tensor per microbatch.
+ * -1 unsets. @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_run_config_set_merge_output(rp_run_config *config, int32_t merge);
+
+/* ---------------------------------------------------------------------------------------------
+ * Model options and model lifetime
+ * ------------------------------------------------------------------------------------------- */
+
+/** Options for rp_model_create. */
+typedef struct rp_model_options rp_model_options;
+
+/** A model: layers, host parameter store, optimizer state, device workers and threads. */
+typedef struct rp_model rp_model;
+
+/** Create options holding the defaults. Caller frees with rp_model_options_destroy.
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT or RP_ERR_OUT_OF_MEMORY. */
+RP_API rp_status rp_model_options_create(rp_model_options **out_options);
+
+/** Free options. NULL is ignored. */
+RP_API void rp_model_options_destroy(rp_model_options *options);
+
+/** Data type of the weights the devices compute with (default RP_DTYPE_F32).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_model_dtype(rp_model_options *options, int32_t dtype);
+
+/** Data type of master weights and optimizer state (default RP_DTYPE_F32, recommended).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_optim_dtype(rp_model_options *options, int32_t dtype);
+
+/** Host pinning of model weights (default RP_PIN_ALLOC; ignored on CPU devices).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode);
+
+/** Model-level run configuration, copied (NULL clears it).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
+                                                 const rp_run_config *config);
+
+/** Seed of weight initialisation and of dropout (default 0).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
+
+/** Name shown in logs (copied; default "roundpipe"). @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_name(rp_model_options *options, const char *name);
+
+/** Device kind and count. `num_devices` 0 means: all visible GPUs, or 1 CPU worker device.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (unknown kind, negative or > 64 devices). */
+RP_API rp_status rp_model_options_set_devices(rp_model_options *options, int32_t kind,
+                                              int32_t num_devices);
+
+/**
+ * Explicit stage plan: stage s holds the next `layers_per_stage[s]` layers. The counts must be
+ * positive and add up to the number of layers (checked by rp_model_create). NULL or n == 0
+ * returns to the automatic planner, which balances estimated layer cost.
+ * @param layers_per_stage borrowed; copied.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT.
+ */
+RP_API rp_status rp_model_options_set_stage_plan(rp_model_options *options,
+                                                 const int32_t *layers_per_stage, size_t n);
+
+/**
+ * Build a model from a JSON spec: {"layers": [{"type": "linear", "in": 4, "out": 8}, ...]}.
+ * The README lists the layer types and their arguments. Weights are initialised from the seed.
+ * @param out_model receives the model; caller frees with rp_model_destroy.
+ * @param spec_json NUL-terminated JSON text, borrowed.
+ * @param options borrowed; NULL means defaults.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT for a bad spec (the message names the layer) or bad
+ *         options; RP_ERR_CUDA when RP_DEVICE_CUDA is asked for and no GPU is visible;
+ *         RP_ERR_OUT_OF_MEMORY.
+ */
+RP_API rp_status rp_model_create(rp_model **out_model, const char *spec_json,
+                                 const rp_model_options *options);
+
+/** Destroy a model after draining its pipeline and optimizer thread. NULL is ignored.
+ * Tensors previously returned stay valid (they hold their own references). */
+RP_API void rp_model_destroy(rp_model *model);
+
+/** Number of layers in the pipeline's layer list. */
+RP_API rp_status rp_model_num_layers(int32_t *out_count, const rp_model *model);
+
+/** Number of stages of the current plan. */
+RP_API rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
+
+/** Number of worker devices. */
+RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
+
+/** Number of optimizer steps enqueued so far (built-in or callback). */
+RP_API rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
+
+/* ---------------------------------------------------------------------------------------------
+ * Tensor lists (outputs)
+ * ------------------------------------------------------------------------------------------- */
+
+/** An owned list of output tensors. */
+typedef struct rp_tensor_list rp_tensor_list;
+
+/** Number of tensors in the list. */
+RP_API rp_status rp_tensor_list_size(size_t *out_size, const rp_tensor_list *list);
+
+/** A new DLPack reference to tensor `index`: caller owns it and calls its deleter. May be
+ * called more than once; all references share memory. @return RP_OK or
+ * RP_ERR_INVALID_ARGUMENT (NULL, index out of range). */
+RP_API rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tensor_list *list,
+                                    size_t index);
+
+/** Free the list. Tensors already taken with rp_tensor_list_get stay valid. NULL is ignored. */
+RP_API void rp_tensor_list_destroy(rp_tensor_list *list);
+
+/* ---------------------------------------------------------------------------------------------
+ * Losses
+ * ------------------------------------------------------------------------------------------- */
+
+/** Built-in losses. Each is computed per microbatch; forward_backward returns their sum. */
+typedef enum rp_loss_kind {
+    RP_LOSS_OUTPUT = 0,       /**< the model's output is the loss (must be a 0-d tensor) */
+    RP_LOSS_MSE = 1,          /**< mean squared error against float labels of the same shape */
+    RP_LOSS_CROSS_ENTROPY = 2 /**< mean cross entropy of logits [N, C] against int64 labels [N] */
+} rp_loss_kind;
+
+/** A loss: built-in or callback, times a scale factor. */
+typedef struct rp_loss rp_loss;
+
+/**
+ * Custom loss of one microbatch. Called on a device worker thread, never concurrently for one
+ * model. Must not call back into RoundPipe with the same model.
+ * @param out_loss receives the loss value of this microbatch.
+ * @param out_grad receives d(loss)/d(outputs), same shape as `outputs`, any float dtype, on
+ *        the CPU or on the outputs' device. RoundPipe takes ownership and calls its deleter.
+ * @param outputs the microbatch's outputs, borrowed for the callback (fp32, on the CPU).
+ * @param labels the microbatch's labels, borrowed for the callback (NULL when the call has none).
+ * @param microbatch index of the microbatch.
+ * @return 0 on success; any other value aborts the call with RP_ERR_CALLBACK and nothing is
+ *         accumulated.
+ */
+typedef int32_t (*rp_loss_fn)(double *out_loss, DLManagedTensor **out_grad,
+                              const DLManagedTensor *outputs, const DLManagedTensor *labels,
+                              int32_t microbatch, void *user_data);
+
+/** Create a built-in loss. Caller frees with rp_loss_destroy.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (unknown kind). */
+RP_API rp_status rp_loss_create(rp_loss **out_loss, int32_t kind);
+
+/** Create a loss computed by `fn`. `user_data` must outlive every call using the loss.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL fn). */
+RP_API rp_status rp_loss_create_callback(rp_loss **out_loss, rp_loss_fn fn, void *user_data);
+
+/** Multiply the loss (and so its gradient) by `scale` (default 1; e.g. 1/num_microbatch for a
+ * batch mean). @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL, non-finite). */
+RP_API rp_status rp_loss_set_scale(rp_loss *loss, double scale);
+
+/** Free a loss. NULL is ignored. */
+RP_API void rp_loss_destroy(rp_loss *loss);
+
+/* ---------------------------------------------------------------------------------------------
+ * Forward and fused forward + backward
+ * ------------------------------------------------------------------------------------------- */
+
+/**
+ * Inference: split inputs into microbatches, run them through the pipeline, merge the outputs.
+ * Uses the published weights (see rp_step). No gradients are recorded.
+ * @param out_outputs receives the outputs (one tensor when merged, else one per microbatch);
+ *        caller frees with rp_tensor_list_destroy.
+ * @param inputs n_inputs borrowed DLPack tensors, contiguous, on the CPU (or on a GPU for
+ *        GPU models). inputs[0] feeds the first layer; the others travel with it.
+ * @param config per-call overrides, borrowed; NULL uses the model's configuration.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT for bad tensors or configuration; RP_ERR_CALLBACK
+ *         when the split callback fails; RP_ERR_OUT_OF_MEMORY; RP_ERR_CUDA.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model,
+                            const DLManagedTensor *const *inputs, size_t n_inputs,
+                            const rp_run_config *config);
+
+/**
+ * Training: forward, loss and backward of every microbatch, fused in one pipelined pass.
+ * Gradients are added to the model's accumulated gradients (they accumulate across calls until
+ * rp_step consumes them). If the call fails, no gradient of it is accumulated.
+ * @param out_loss receives the sum of the microbatch losses (may be NULL).
+ * @param out_outputs when not NULL, receives the merged outputs as for rp_forward; caller
+ *        frees with rp_tensor_list_destroy.
+ * @param inputs as for rp_forward.
+ * @param labels borrowed, split like inputs (may be NULL for RP_LOSS_OUTPUT or a callback).
+ * @param loss borrowed; NULL means RP_LOSS_OUTPUT.
+ * @param config per-call overrides, borrowed; NULL uses the model's configuration.
+ * @return as rp_forward, plus RP_ERR_CALLBACK when the loss callback fails.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs,
+                                     rp_model *model, const DLManagedTensor *const *inputs,
+                                     size_t n_inputs, const DLManagedTensor *labels,
+                                     const rp_loss *loss, const rp_run_config *config);
+
+/* ---------------------------------------------------------------------------------------------
+ * Optimizer
+ * ------------------------------------------------------------------------------------------- */
+
+/** Built-in optimizers (run on the CPU over fp32 master weights). */
+typedef enum rp_optimizer_kind {
+    RP_OPTIMIZER_ADAMW = 0,
+    RP_OPTIMIZER_SGD = 1 /**< SGD with optional momentum and L2 weight decay, as torch.optim.SGD */
+} rp_optimizer_kind;
+
+/** Hyperparameters of a built-in optimizer. State (moments) lives in the model. */
+typedef struct rp_optimizer rp_optimizer;
+
+/** Create optimizer settings with PyTorch's defaults: AdamW lr 1e-3, betas (0.9, 0.999),
+ * eps 1e-8, weight_decay 1e-2; SGD lr 1e-3, momentum 0, weight_decay 0.
+ * Caller frees with rp_optimizer_destroy. @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_optimizer_create(rp_optimizer **out_optimizer, int32_t kind);
+
+/** Free optimizer settings. NULL is ignored. */
+RP_API void rp_optimizer_destroy(rp_optimizer *optimizer);
+
+/** Learning rate (finite, >= 0). Takes effect at the next rp_step. */
+RP_API rp_status rp_optimizer_set_learning_rate(rp_optimizer *optimizer, double lr);
+
+/** AdamW betas, each in [0, 1). RP_ERR_INVALID_ARGUMENT for SGD settings. */
+RP_API rp_status rp_optimizer_set_betas(rp_optimizer *optimizer, double beta1, double beta2);
+
+/** AdamW epsilon (finite, > 0). RP_ERR_INVALID_ARGUMENT for SGD settings. */
+RP_API rp_status rp_optimizer_set_eps(rp_optimizer *optimizer, double eps);
+
+/** Weight decay (finite, >= 0): decoupled for AdamW, added to the gradient for SGD. */
+RP_API rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double weight_decay);
+
+/** SGD momentum in [0, 1). RP_ERR_INVALID_ARGUMENT for AdamW settings. */
+RP_API rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum);
+
+/**
+ * Apply one optimizer step to the gradients accumulated since the previous step, then start
+ * accumulating afresh. The settings are copied at the call.
+ * Asynchronous (`is_async` != 0, recommended): returns at once; the step runs on the optimizer
+ * thread while the next rp_forward_backward runs on the weights from before this step
+ * (staleness 1, as upstream). Synchronous: returns when the updated weights are in use.
+ * Calling it waits for the previous step if that one is still running.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT; RP_ERR_STATE when the model already holds optimizer
+ *         state of another kind; RP_ERR_CALLBACK when a previous callback step failed.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
+
+/**
+ * User step function. Runs on the optimizer thread. Inside it, rp_param_master and rp_param_grad
+ * give the master weights and the gradients of this step: update the master weights in place.
+ * Only those functions and the rp_param_* queries may be called on `model` from it.
+ * @return 0 on success; other values are reported as RP_ERR_CALLBACK by rp_step (sync) or by the
+ *         next rp_step / rp_synchronize (async); the weights then stay as the callback left them.
+ */
+typedef int32_t (*rp_step_fn)(rp_model *model, void *user_data);
+
+/** Like rp_step, but the update is `fn(model, user_data)` on the optimizer thread.
+ * `user_data` must stay valid until the step has run (rp_synchronize guarantees it). */
+RP_API rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data,
+                                  int32_t is_async);
+
+/**
+ * Wait for every pending step, then make the latest master weights the weights in use.
+ * Afterwards rp_param_master shows the latest weights and rp_param_grad the gradients
+ * accumulated since the last step. Like llama_synchronize: a point where nothing is in flight.
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT, or RP_ERR_CALLBACK when an async callback step failed.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_synchronize(rp_model *model);
+
+/** Drop the gradients accumulated since the last step. Thread: the thread driving this model. */
+RP_API rp_status rp_zero_grad(rp_model *model);
+
+/* ---------------------------------------------------------------------------------------------
+ * Parameters
+ * ------------------------------------------------------------------------------------------- */
+
+/** Number of parameter tensors. */
+RP_API rp_status rp_param_count(size_t *out_count, const rp_model *model);
+
+/** Name of parameter `index` ("3.weight": layer index, then the layer's own name).
+ * Library-owned, valid while the model lives. */
+RP_API rp_status rp_param_name(const char **out_name, const rp_model *model, size_t index);
+
+/** Index of the parameter called `name`. RP_ERR_INVALID_ARGUMENT when there is none. */
+RP_API rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *name);
+
+/** Shape of parameter `index`: `*out_ndim` receives the rank; up to `capacity` sizes are written
+ * to `out_shape` (which may be NULL when capacity is 0). */
+RP_API rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity,
+                                const rp_model *model, size_t index);
+
+/**
+ * Zero-copy view of the fp32 master weight of parameter `index`. Caller owns the DLPack struct
+ * and calls its deleter; the memory stays valid as long as the view is held. Writes through it
+ * change the master weight (take effect at the next rp_synchronize or step). Read it after
+ * rp_synchronize, or inside a step callback; elsewhere an async step may be writing it.
+ */
+RP_API rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t index);
+
+/**
+ * Zero-copy view of the fp32 gradient of parameter `index`: inside a step callback, the
+ * gradient of that step; elsewhere, the gradient accumulated since the last step (read it
+ * after rp_synchronize). A view taken outside a callback refers to that buffer only until the
+ * next rp_step; take a fresh one afterwards. Caller owns the struct and calls its deleter.
+ */
+RP_API rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t index);
+
+/* ---------------------------------------------------------------------------------------------
+ * Weights on disk
+ * ------------------------------------------------------------------------------------------- */
+
+/** Save the latest weights (synchronizes first) to a safetensors file, in the model dtype,
+ * with the parameter names. Written to a temporary file in the same folder, then renamed.
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (message names the path). */
+RP_API rp_status rp_model_save(rp_model *model, const char *path);
+
+/** Load every parameter from a safetensors file (any float dtype, converted). The file must hold
+ * every parameter with the right shape; nothing is changed unless all of them load.
+ * Synchronizes first. Optimizer state is kept; accumulated gradients are dropped.
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (message names the file and tensor). */
+RP_API rp_status rp_model_load(rp_model *model, const char *path);
+
+/** ABI version this header describes. */
+#define RP_ABI_VERSION 1
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ROUNDPIPE_H */
