@@ -1,0 +1,352 @@
+// Option objects: run configuration, model options, losses, optimizer settings.
+#include <cmath>
+
+#include "api/api_guard.h"
+#include "api/dlpack_bridge.h"
+#include "api/handles.h"
+
+using namespace rp;
+
+namespace {
+
+template <typename T> rp_status create_handle(T **out) {
+    return guard([&] {
+        require_arg(out, "output pointer is NULL");
+        *out = new T();
+    });
+}
+
+std::optional<at::ScalarType> dtype_of(int32_t dtype) {
+    switch (dtype) {
+    case RP_DTYPE_F32:
+        return at::kFloat;
+    case RP_DTYPE_BF16:
+        return at::kBFloat16;
+    case RP_DTYPE_F16:
+        return at::kHalf;
+    default:
+        return std::nullopt;
+    }
+}
+
+void require_finite(double x, double lo, const char *what) {
+    if (!std::isfinite(x) || x < lo)
+        fail(ErrorKind::InvalidArgument,
+             std::string(what) + " must be finite and >= " + std::to_string(lo) + ", got " +
+                 std::to_string(x));
+}
+
+// Adapts a C split callback to the engine's SplitFn.
+SplitFn wrap_split(rp_split_fn fn, void *user_data) {
+    return [fn, user_data](const std::vector<at::Tensor> &inputs, int n) {
+        std::vector<DLManagedTensor *> in;
+        for (const at::Tensor &t : inputs)
+            in.push_back(export_dlpack(t));
+        std::vector<DLManagedTensor *> pieces(static_cast<size_t>(n) * inputs.size(), nullptr);
+        int32_t rc = fn(pieces.data(), in.data(), in.size(), n, user_data);
+        for (DLManagedTensor *t : in)
+            t->deleter(t);
+        std::vector<std::vector<at::Tensor>> out(n);
+        std::string error;
+        for (int m = 0; m < n; ++m)
+            for (size_t i = 0; i < inputs.size(); ++i) {
+                DLManagedTensor *p = pieces[m * inputs.size() + i];
+                if (rc != 0 || !error.empty()) {
+                    if (p && p->deleter)
+                        p->deleter(p); // RoundPipe owns the pieces even when the callback fails
+                    continue;
+                }
+                try {
+                    out[m].push_back(adopt_dlpack(p, "split callback piece (microbatch " +
+                                                         std::to_string(m) + ", input " +
+                                                         std::to_string(i) + ")"));
+                } catch (const Error &e) {
+                    error = e.what();
+                }
+            }
+        if (rc != 0)
+            fail(ErrorKind::Callback, "split callback returned " + std::to_string(rc));
+        if (!error.empty())
+            fail(ErrorKind::Callback, error);
+        return out;
+    };
+}
+
+} // namespace
+
+extern "C" {
+
+rp_status rp_run_config_create(rp_run_config **out_config) { return create_handle(out_config); }
+
+void rp_run_config_destroy(rp_run_config *config) { delete config; }
+
+rp_status rp_run_config_set_num_microbatch(rp_run_config *config, int32_t n) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        require(n >= 0 && n <= 65536,
+                "num_microbatch must be between 1 and 65536 (0 unsets), got " + std::to_string(n));
+        config->config.num_microbatch = n == 0 ? std::nullopt : std::optional<int>(n);
+    });
+}
+
+rp_status rp_run_config_set_recompute_grain(rp_run_config *config, int32_t grain) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        require(grain >= RP_GRAIN_DEFAULT && grain <= RP_GRAIN_LAYER,
+                "recompute_grain must be RP_GRAIN_DEFAULT, RP_GRAIN_STAGE or RP_GRAIN_LAYER, got " +
+                    std::to_string(grain));
+        if (grain == RP_GRAIN_DEFAULT)
+            config->config.grain.reset();
+        else
+            config->config.grain =
+                grain == RP_GRAIN_STAGE ? RecomputeGrain::Stage : RecomputeGrain::Layer;
+    });
+}
+
+rp_status rp_run_config_set_output_device(rp_run_config *config, int32_t device_type,
+                                          int32_t device_id) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        require(device_type == kDLCPU || device_type == kDLCUDA,
+                "output device type must be kDLCPU (1) or kDLCUDA (2), got " +
+                    std::to_string(device_type));
+        require(device_type == kDLCPU || (device_id >= 0 && device_id < 1024),
+                "output GPU index must be >= 0, got " + std::to_string(device_id));
+        config->config.output_device =
+            device_type == kDLCPU
+                ? at::Device(at::kCPU)
+                : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_id));
+    });
+}
+
+rp_status rp_run_config_set_input_split_dim(rp_run_config *config, int32_t input_index,
+                                            int32_t dim) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        require(input_index >= 0 && input_index < 64,
+                "input_index must be in 0..63, got " + std::to_string(input_index));
+        require(dim >= RP_SPLIT_REPLICATE && dim < 16,
+                "split dim must be RP_SPLIT_REPLICATE (-1) or 0..15, got " + std::to_string(dim));
+        config->config.input_split_dims[input_index] = dim;
+    });
+}
+
+rp_status rp_run_config_set_label_split_dim(rp_run_config *config, int32_t dim) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        require(dim >= RP_SPLIT_REPLICATE && dim < 16,
+                "split dim must be RP_SPLIT_REPLICATE (-1) or 0..15, got " + std::to_string(dim));
+        config->config.label_split_dim = dim;
+    });
+}
+
+rp_status rp_run_config_set_split_callback(rp_run_config *config, rp_split_fn fn,
+                                           void *user_data) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        config->config.split = fn ? wrap_split(fn, user_data) : SplitFn();
+    });
+}
+
+rp_status rp_run_config_set_merge_output(rp_run_config *config, int32_t merge) {
+    return guard([&] {
+        require_arg(config, "config is NULL");
+        require(merge >= -1 && merge <= 1,
+                "merge_output must be 1, 0 or -1 (unset), got " + std::to_string(merge));
+        config->config.merge_output = merge == -1 ? std::nullopt : std::optional<bool>(merge == 1);
+    });
+}
+
+rp_status rp_model_options_create(rp_model_options **out_options) {
+    return create_handle(out_options);
+}
+
+void rp_model_options_destroy(rp_model_options *options) { delete options; }
+
+rp_status rp_model_options_set_model_dtype(rp_model_options *options, int32_t dtype) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        if (dtype == RP_DTYPE_DEFAULT) {
+            options->options.model_dtype = at::kFloat;
+            return;
+        }
+        auto t = dtype_of(dtype);
+        require(t.has_value(), "model dtype must be RP_DTYPE_F32, RP_DTYPE_BF16 or RP_DTYPE_F16, "
+                               "got " + std::to_string(dtype));
+        options->options.model_dtype = *t;
+    });
+}
+
+rp_status rp_model_options_set_optim_dtype(rp_model_options *options, int32_t dtype) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(dtype == RP_DTYPE_DEFAULT || dtype == RP_DTYPE_F32,
+                "optimizer dtype " + std::to_string(dtype) +
+                    " is not supported yet: master weights and optimizer state are float32 "
+                    "(RP_DTYPE_F32)");
+    });
+}
+
+rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(pin_mode >= RP_PIN_ALLOC && pin_mode <= RP_PIN_OFF,
+                "pin mode must be RP_PIN_ALLOC, RP_PIN_REGISTER or RP_PIN_OFF, got " +
+                    std::to_string(pin_mode));
+        options->options.pin_mode = static_cast<PinMode>(pin_mode);
+    });
+}
+
+rp_status rp_model_options_set_run_config(rp_model_options *options,
+                                          const rp_run_config *config) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        options->options.run_config = config ? config->config : RunConfig();
+    });
+}
+
+rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        options->options.seed = seed;
+    });
+}
+
+rp_status rp_model_options_set_name(rp_model_options *options, const char *name) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require_arg(name, "name is NULL");
+        options->options.name = name;
+    });
+}
+
+rp_status rp_model_options_set_devices(rp_model_options *options, int32_t kind,
+                                       int32_t num_devices) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(kind >= RP_DEVICE_AUTO && kind <= RP_DEVICE_CUDA,
+                "device kind must be RP_DEVICE_AUTO, RP_DEVICE_CPU or RP_DEVICE_CUDA, got " +
+                    std::to_string(kind));
+        require(num_devices >= 0 && num_devices <= 64,
+                "num_devices must be in 0..64, got " + std::to_string(num_devices));
+        options->options.device_kind = static_cast<DeviceKind>(kind);
+        options->options.num_devices = num_devices;
+    });
+}
+
+rp_status rp_model_options_set_stage_plan(rp_model_options *options,
+                                          const int32_t *layers_per_stage, size_t n) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require_arg(n == 0 || layers_per_stage, "layers_per_stage is NULL but n > 0");
+        std::vector<int> plan;
+        for (size_t i = 0; i < n; ++i) {
+            require(layers_per_stage[i] > 0, "stage plan: stage " + std::to_string(i) + " has " +
+                                                 std::to_string(layers_per_stage[i]) +
+                                                 " layers; each needs at least one");
+            plan.push_back(layers_per_stage[i]);
+        }
+        options->options.stage_plan = std::move(plan);
+    });
+}
+
+rp_status rp_loss_create(rp_loss **out_loss, int32_t kind) {
+    return guard([&] {
+        require_arg(out_loss, "out_loss is NULL");
+        require(kind >= RP_LOSS_OUTPUT && kind <= RP_LOSS_CROSS_ENTROPY,
+                "loss kind must be RP_LOSS_OUTPUT, RP_LOSS_MSE or RP_LOSS_CROSS_ENTROPY, got " +
+                    std::to_string(kind));
+        auto loss = std::make_unique<rp_loss>();
+        loss->kind = kind == RP_LOSS_OUTPUT ? LossKind::Output
+                     : kind == RP_LOSS_MSE  ? LossKind::Mse
+                                            : LossKind::CrossEntropy;
+        *out_loss = loss.release();
+    });
+}
+
+rp_status rp_loss_create_callback(rp_loss **out_loss, rp_loss_fn fn, void *user_data) {
+    return guard([&] {
+        require_arg(out_loss, "out_loss is NULL");
+        require_arg(fn, "loss callback is NULL");
+        auto loss = std::make_unique<rp_loss>();
+        loss->kind = LossKind::Callback;
+        loss->fn = fn;
+        loss->user_data = user_data;
+        *out_loss = loss.release();
+    });
+}
+
+rp_status rp_loss_set_scale(rp_loss *loss, double scale) {
+    return guard([&] {
+        require_arg(loss, "loss is NULL");
+        require(std::isfinite(scale), "loss scale must be finite");
+        loss->scale = scale;
+    });
+}
+
+void rp_loss_destroy(rp_loss *loss) { delete loss; }
+
+rp_status rp_optimizer_create(rp_optimizer **out_optimizer, int32_t kind) {
+    return guard([&] {
+        require_arg(out_optimizer, "out_optimizer is NULL");
+        require(kind == RP_OPTIMIZER_ADAMW || kind == RP_OPTIMIZER_SGD,
+                "optimizer kind must be RP_OPTIMIZER_ADAMW or RP_OPTIMIZER_SGD, got " +
+                    std::to_string(kind));
+        auto opt = std::make_unique<rp_optimizer>();
+        if (kind == RP_OPTIMIZER_SGD) {
+            opt->settings.kind = OptimizerKind::Sgd;
+            opt->settings.weight_decay = 0.0;
+        }
+        *out_optimizer = opt.release();
+    });
+}
+
+void rp_optimizer_destroy(rp_optimizer *optimizer) { delete optimizer; }
+
+rp_status rp_optimizer_set_learning_rate(rp_optimizer *optimizer, double lr) {
+    return guard([&] {
+        require_arg(optimizer, "optimizer is NULL");
+        require_finite(lr, 0.0, "learning rate");
+        optimizer->settings.lr = lr;
+    });
+}
+
+rp_status rp_optimizer_set_betas(rp_optimizer *optimizer, double beta1, double beta2) {
+    return guard([&] {
+        require_arg(optimizer, "optimizer is NULL");
+        require(optimizer->settings.kind == OptimizerKind::AdamW, "betas apply to AdamW only");
+        require(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1,
+                "betas must be in [0, 1), got (" + std::to_string(beta1) + ", " +
+                    std::to_string(beta2) + ")");
+        optimizer->settings.beta1 = beta1;
+        optimizer->settings.beta2 = beta2;
+    });
+}
+
+rp_status rp_optimizer_set_eps(rp_optimizer *optimizer, double eps) {
+    return guard([&] {
+        require_arg(optimizer, "optimizer is NULL");
+        require(optimizer->settings.kind == OptimizerKind::AdamW, "eps applies to AdamW only");
+        require(std::isfinite(eps) && eps > 0, "eps must be finite and > 0");
+        optimizer->settings.eps = eps;
+    });
+}
+
+rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double weight_decay) {
+    return guard([&] {
+        require_arg(optimizer, "optimizer is NULL");
+        require_finite(weight_decay, 0.0, "weight decay");
+        optimizer->settings.weight_decay = weight_decay;
+    });
+}
+
+rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum) {
+    return guard([&] {
+        require_arg(optimizer, "optimizer is NULL");
+        require(optimizer->settings.kind == OptimizerKind::Sgd, "momentum applies to SGD only");
+        require(momentum >= 0 && momentum < 1, "momentum must be in [0, 1)");
+        optimizer->settings.momentum = momentum;
+    });
+}
+
+} // extern "C"

@@ -1,0 +1,238 @@
+// Model lifetime, forward, fused forward + backward, optimizer steps.
+#include "api/api_guard.h"
+#include "api/dlpack_bridge.h"
+#include "api/handles.h"
+#include "layers/spec_parser.h"
+
+using namespace rp;
+
+namespace {
+
+Model &model_of(rp_model *m) {
+    require_arg(m && m->model, "model is NULL");
+    return *m->model;
+}
+
+const Model &model_of(const rp_model *m) {
+    require_arg(m && m->model, "model is NULL");
+    return *m->model;
+}
+
+std::vector<at::Tensor> borrow_inputs(const DLManagedTensor *const *inputs, size_t n) {
+    require(n >= 1 && n <= 64, "n_inputs must be in 1..64, got " + std::to_string(n));
+    require_arg(inputs, "inputs is NULL");
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < n; ++i)
+        out.push_back(borrow_dlpack(inputs[i], "input " + std::to_string(i)));
+    return out;
+}
+
+// Outputs must never alias the caller's borrowed inputs (a reshape-only model returns views).
+rp_tensor_list *make_output_list(std::vector<at::Tensor> outputs, bool merge,
+                                 const std::vector<at::Tensor> &inputs) {
+    auto list = std::make_unique<rp_tensor_list>();
+    if (merge)
+        outputs = {merge_outputs(outputs)};
+    for (at::Tensor &t : outputs) {
+        for (const at::Tensor &in : inputs)
+            if (t.storage().is_alias_of(in.storage())) {
+                t = t.clone();
+                break;
+            }
+        list->tensors.push_back(t);
+    }
+    return list.release();
+}
+
+Loss make_loss(const rp_loss *l) {
+    Loss loss;
+    if (!l)
+        return loss;
+    loss.kind = l->kind;
+    loss.scale = l->scale;
+    if (l->kind == LossKind::Callback) {
+        rp_loss_fn fn = l->fn;
+        void *user_data = l->user_data;
+        loss.callback = [fn, user_data](const at::Tensor &out, const at::Tensor &labels, int m,
+                                        at::Tensor &grad) {
+            DLManagedTensor *out_dl = export_dlpack(out);
+            DLManagedTensor *label_dl = labels.defined() ? export_dlpack(labels) : nullptr;
+            DLManagedTensor *grad_dl = nullptr;
+            double value = 0.0;
+            int32_t rc = fn(&value, &grad_dl, out_dl, label_dl, m, user_data);
+            out_dl->deleter(out_dl);
+            if (label_dl)
+                label_dl->deleter(label_dl);
+            if (rc != 0) {
+                if (grad_dl && grad_dl->deleter)
+                    grad_dl->deleter(grad_dl);
+                fail(ErrorKind::Callback, "loss callback returned " + std::to_string(rc) +
+                                              " for microbatch " + std::to_string(m));
+            }
+            if (!grad_dl)
+                fail(ErrorKind::Callback, "loss callback returned no gradient for microbatch " +
+                                              std::to_string(m));
+            grad = adopt_dlpack(grad_dl, "loss callback gradient");
+            return value;
+        };
+    }
+    return loss;
+}
+
+const RunConfig &config_of(const rp_run_config *c) {
+    static const RunConfig empty;
+    return c ? c->config : empty;
+}
+
+} // namespace
+
+extern "C" {
+
+rp_status rp_model_create(rp_model **out_model, const char *spec_json,
+                          const rp_model_options *options) {
+    return guard([&] {
+        require_arg(out_model, "out_model is NULL");
+        require_arg(spec_json, "spec_json is NULL");
+        ModelOptions opts = options ? options->options : ModelOptions();
+        auto layers = parse_model_spec(spec_json);
+        auto handle = std::make_unique<rp_model>();
+        handle->model = std::make_unique<Model>(std::move(layers), opts);
+        *out_model = handle.release();
+    });
+}
+
+void rp_model_destroy(rp_model *model) {
+    // Destruction drains the optimizer thread and joins the workers; nothing may escape.
+    try {
+        delete model;
+    } catch (...) {
+    }
+}
+
+rp_status rp_model_num_layers(int32_t *out_count, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_count, "out_count is NULL");
+        *out_count = static_cast<int32_t>(model_of(model).num_layers());
+    });
+}
+
+rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_count, "out_count is NULL");
+        *out_count = static_cast<int32_t>(model_of(model).num_stages());
+    });
+}
+
+rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_count, "out_count is NULL");
+        *out_count = static_cast<int32_t>(model_of(model).num_devices());
+    });
+}
+
+rp_status rp_model_step_count(int64_t *out_count, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_count, "out_count is NULL");
+        *out_count = model_of(model).steps_enqueued();
+    });
+}
+
+rp_status rp_tensor_list_size(size_t *out_size, const rp_tensor_list *list) {
+    return guard([&] {
+        require_arg(out_size, "out_size is NULL");
+        require_arg(list, "list is NULL");
+        *out_size = list->tensors.size();
+    });
+}
+
+rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tensor_list *list,
+                             size_t index) {
+    return guard([&] {
+        require_arg(out_tensor, "out_tensor is NULL");
+        require_arg(list, "list is NULL");
+        require(index < list->tensors.size(), "index " + std::to_string(index) +
+                                                  " is out of range (list holds " +
+                                                  std::to_string(list->tensors.size()) + ")");
+        *out_tensor = export_dlpack(list->tensors[index]);
+    });
+}
+
+void rp_tensor_list_destroy(rp_tensor_list *list) { delete list; }
+
+rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model,
+                     const DLManagedTensor *const *inputs, size_t n_inputs,
+                     const rp_run_config *config) {
+    return guard([&] {
+        require_arg(out_outputs, "out_outputs is NULL");
+        Model &m = model_of(model);
+        require(!m.on_optimizer_thread(), "rp_forward may not be called from a step callback");
+        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs);
+        bool merge = true;
+        std::vector<at::Tensor> outs = m.forward(in, config_of(config), &merge);
+        *out_outputs = make_output_list(std::move(outs), merge, in);
+    });
+}
+
+rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model,
+                              const DLManagedTensor *const *inputs, size_t n_inputs,
+                              const DLManagedTensor *labels, const rp_loss *loss,
+                              const rp_run_config *config) {
+    return guard([&] {
+        Model &m = model_of(model);
+        require(!m.on_optimizer_thread(),
+                "rp_forward_backward may not be called from a step callback");
+        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs);
+        at::Tensor lab = labels ? borrow_dlpack(labels, "labels") : at::Tensor();
+        Loss l = make_loss(loss);
+        std::vector<at::Tensor> outs;
+        bool merge = true;
+        double total =
+            m.forward_backward(in, lab, l, config_of(config), out_outputs ? &outs : nullptr, &merge);
+        if (out_outputs)
+            *out_outputs = make_output_list(std::move(outs), merge, in);
+        if (out_loss)
+            *out_loss = total;
+    });
+}
+
+rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async) {
+    return guard([&] {
+        Model &m = model_of(model);
+        require_arg(optimizer, "optimizer is NULL");
+        require(!m.on_optimizer_thread(), "rp_step may not be called from a step callback");
+        m.step_builtin(optimizer->settings, is_async != 0);
+    });
+}
+
+rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int32_t is_async) {
+    return guard([&] {
+        Model &m = model_of(model);
+        require_arg(fn, "step callback is NULL");
+        require(!m.on_optimizer_thread(), "rp_step_callback may not be called from a step callback");
+        m.step(
+            [model, fn, user_data] {
+                int32_t rc = fn(model, user_data);
+                if (rc != 0)
+                    fail(ErrorKind::Callback, "step callback returned " + std::to_string(rc));
+            },
+            is_async != 0);
+    });
+}
+
+rp_status rp_synchronize(rp_model *model) {
+    return guard([&] {
+        Model &m = model_of(model);
+        require(!m.on_optimizer_thread(), "rp_synchronize may not be called from a step callback");
+        m.synchronize();
+    });
+}
+
+rp_status rp_zero_grad(rp_model *model) {
+    return guard([&] {
+        Model &m = model_of(model);
+        require(!m.on_optimizer_thread(), "rp_zero_grad may not be called from a step callback");
+        m.zero_grad();
+    });
+}
+
+} // extern "C"

@@ -1,0 +1,124 @@
+// Parameter access and weights on disk.
+#include "api/api_guard.h"
+#include "api/dlpack_bridge.h"
+#include "api/handles.h"
+#include "io/safetensors.h"
+
+using namespace rp;
+
+namespace {
+
+const Param &param_of(const rp_model *model, size_t index) {
+    require_arg(model && model->model, "model is NULL");
+    const ParamStore &store = model->model->params();
+    require(index < store.size(), "parameter index " + std::to_string(index) +
+                                      " is out of range (the model has " +
+                                      std::to_string(store.size()) + ")");
+    return store.at(index);
+}
+
+} // namespace
+
+extern "C" {
+
+rp_status rp_param_count(size_t *out_count, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_count, "out_count is NULL");
+        require_arg(model && model->model, "model is NULL");
+        *out_count = model->model->params().size();
+    });
+}
+
+rp_status rp_param_name(const char **out_name, const rp_model *model, size_t index) {
+    return guard([&] {
+        require_arg(out_name, "out_name is NULL");
+        *out_name = param_of(model, index).name.c_str();
+    });
+}
+
+rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *name) {
+    return guard([&] {
+        require_arg(out_index, "out_index is NULL");
+        require_arg(model && model->model, "model is NULL");
+        require_arg(name, "name is NULL");
+        int64_t i = model->model->params().find(name);
+        require(i >= 0, std::string("no parameter named \"") + name + "\"");
+        *out_index = static_cast<size_t>(i);
+    });
+}
+
+rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity,
+                         const rp_model *model, size_t index) {
+    return guard([&] {
+        require_arg(out_ndim, "out_ndim is NULL");
+        require_arg(capacity >= 0, "capacity is negative");
+        require_arg(capacity == 0 || out_shape, "out_shape is NULL but capacity > 0");
+        const at::Tensor &t = param_of(model, index).master;
+        *out_ndim = static_cast<int32_t>(t.dim());
+        for (int32_t d = 0; d < capacity && d < t.dim(); ++d)
+            out_shape[d] = t.size(d);
+    });
+}
+
+rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t index) {
+    return guard([&] {
+        require_arg(out_tensor, "out_tensor is NULL");
+        *out_tensor = export_dlpack(param_of(model, index).master);
+    });
+}
+
+rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t index) {
+    return guard([&] {
+        require_arg(out_tensor, "out_tensor is NULL");
+        const Param &p = param_of(model, index);
+        // Inside a step callback the optimizer sees the gradients of its own step.
+        *out_tensor = export_dlpack(model->model->on_optimizer_thread() ? p.step_grad : p.grad);
+    });
+}
+
+rp_status rp_model_save(rp_model *model, const char *path) {
+    return guard([&] {
+        require_arg(model && model->model, "model is NULL");
+        require_arg(path, "path is NULL");
+        Model &m = *model->model;
+        require(!m.on_optimizer_thread(), "rp_model_save may not be called from a step callback");
+        m.synchronize();
+        std::vector<NamedTensor> tensors;
+        for (size_t i = 0; i < m.params().size(); ++i)
+            tensors.push_back({m.params().at(i).name, m.params().at(i).live});
+        write_safetensors(path, tensors, {{"format", "pt"}, {"producer", "roundpipe"}});
+    });
+}
+
+rp_status rp_model_load(rp_model *model, const char *path) {
+    return guard([&] {
+        require_arg(model && model->model, "model is NULL");
+        require_arg(path, "path is NULL");
+        Model &m = *model->model;
+        require(!m.on_optimizer_thread(), "rp_model_load may not be called from a step callback");
+        std::vector<NamedTensor> file = read_safetensors(path);
+        // Match and check everything first: nothing changes unless every parameter loads.
+        std::vector<at::Tensor> values(m.params().size());
+        for (NamedTensor &nt : file) {
+            int64_t i = m.params().find(nt.name);
+            if (i < 0)
+                continue;
+            const at::Tensor &master = m.params().at(i).master;
+            if (nt.tensor.sizes() != master.sizes())
+                fail(ErrorKind::Io, std::string(path) + ": tensor \"" + nt.name + "\" has shape " +
+                                        c10::str(nt.tensor.sizes()) + " but the model expects " +
+                                        c10::str(master.sizes()));
+            if (!at::isFloatingType(nt.tensor.scalar_type()))
+                fail(ErrorKind::Io, std::string(path) + ": tensor \"" + nt.name +
+                                        "\" is not floating point");
+            values[i] = nt.tensor.to(at::kFloat);
+        }
+        for (size_t i = 0; i < values.size(); ++i)
+            if (!values[i].defined())
+                fail(ErrorKind::Io, std::string(path) + ": missing tensor \"" +
+                                        m.params().at(i).name + "\"");
+        m.load_master(values);
+    });
+}
+
+} // extern "C"

@@ -1,0 +1,85 @@
+#include "api/dlpack_bridge.h"
+
+namespace rp {
+namespace {
+
+std::string dtype_name(DLDataType t) {
+    return "(code " + std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits, " +
+           std::to_string(t.lanes) + " lanes)";
+}
+
+at::ScalarType scalar_type_of(DLDataType t, const std::string &what) {
+    if (t.lanes == 1) {
+        if (t.code == kDLFloat && t.bits == 32)
+            return at::kFloat;
+        if (t.code == kDLFloat && t.bits == 16)
+            return at::kHalf;
+        if (t.code == kDLBfloat && t.bits == 16)
+            return at::kBFloat16;
+        if (t.code == kDLInt && t.bits == 64)
+            return at::kLong;
+        if (t.code == kDLInt && t.bits == 32)
+            return at::kInt;
+    }
+    fail(ErrorKind::InvalidArgument,
+         what + " has dtype " + dtype_name(t) +
+             "; supported: float32, float16, bfloat16, int64, int32 (convert float64 to float32)");
+}
+
+void validate(const DLTensor &t, const std::string &what) {
+    if (t.device.device_type == kDLCUDA || t.device.device_type == kDLCUDAManaged)
+        fail(ErrorKind::InvalidArgument,
+             what + " is in GPU memory (cuda:" + std::to_string(t.device.device_id) +
+                 "); pass tensors in host memory (RoundPipe streams them to the devices)");
+    require(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost,
+            what + " is on an unsupported device type " +
+                std::to_string(static_cast<int>(t.device.device_type)) + "; use host memory");
+    require(t.ndim >= 0 && t.ndim <= 16,
+            what + " has " + std::to_string(t.ndim) + " dimensions (0 to 16 supported)");
+    require(t.ndim == 0 || t.shape != nullptr, what + " has ndim > 0 but no shape");
+    int64_t numel = 1;
+    for (int32_t d = 0; d < t.ndim; ++d) {
+        require(t.shape[d] >= 0, what + " has a negative size in dimension " + std::to_string(d));
+        numel *= t.shape[d];
+    }
+    require(numel == 0 || t.data != nullptr, what + " has no data pointer");
+    if (t.strides) {
+        int64_t expected = 1;
+        for (int32_t d = t.ndim - 1; d >= 0; --d) {
+            require(t.shape[d] == 1 || t.strides[d] == expected,
+                    what + " is not contiguous (stride " + std::to_string(t.strides[d]) +
+                        " in dimension " + std::to_string(d) + ", expected " +
+                        std::to_string(expected) + "); pass a contiguous copy");
+            expected *= t.shape[d];
+        }
+    }
+}
+
+} // namespace
+
+at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what) {
+    require(tensor != nullptr, what + " is NULL");
+    const DLTensor &t = tensor->dl_tensor;
+    validate(t, what);
+    at::ScalarType type = scalar_type_of(t.dtype, what);
+    std::vector<int64_t> sizes(t.shape, t.shape + t.ndim);
+    char *data = static_cast<char *>(t.data) + t.byte_offset;
+    return at::from_blob(data, sizes, at::TensorOptions().dtype(type));
+}
+
+at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what) {
+    require(tensor != nullptr, what + " is NULL");
+    try {
+        validate(tensor->dl_tensor, what);
+        scalar_type_of(tensor->dl_tensor.dtype, what);
+    } catch (...) {
+        if (tensor->deleter)
+            tensor->deleter(tensor);
+        throw;
+    }
+    return at::fromDLPack(tensor);
+}
+
+DLManagedTensor *export_dlpack(const at::Tensor &t) { return at::toDLPack(t); }
+
+} // namespace rp

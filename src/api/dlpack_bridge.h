@@ -1,0 +1,21 @@
+// DLPack in and out of the engine: borrowed, validated inputs become CPU tensors without a copy;
+// engine tensors leave as caller-owned DLManagedTensor.
+#pragma once
+#include <string>
+
+#include "api/roundpipe_internal.h"
+
+namespace rp {
+
+// Wraps a borrowed DLPack tensor (host memory, contiguous, a supported dtype) without copying.
+// `what` names it in error messages ("input 0", "labels").
+at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what);
+
+// Takes ownership of a DLPack tensor produced by a callback (its deleter runs when the tensor
+// dies). Validates it like borrow_dlpack.
+at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what);
+
+// A new caller-owned DLPack reference to `t`.
+DLManagedTensor *export_dlpack(const at::Tensor &t);
+
+} // namespace rp

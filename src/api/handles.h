@@ -1,0 +1,37 @@
+// What the opaque handles of roundpipe.h hold.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "api/roundpipe_internal.h"
+#include "engine/loss.h"
+#include "engine/model.h"
+#include "engine/run_config.h"
+#include "optim/builtin_optimizer.h"
+
+struct rp_run_config {
+    rp::RunConfig config;
+};
+
+struct rp_model_options {
+    rp::ModelOptions options;
+};
+
+struct rp_model {
+    std::unique_ptr<rp::Model> model;
+};
+
+struct rp_loss {
+    rp::LossKind kind = rp::LossKind::Output;
+    double scale = 1.0;
+    rp_loss_fn fn = nullptr;
+    void *user_data = nullptr;
+};
+
+struct rp_optimizer {
+    rp::OptimizerSettings settings;
+};
+
+struct rp_tensor_list {
+    std::vector<at::Tensor> tensors;
+};

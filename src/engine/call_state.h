@@ -1,0 +1,75 @@
+// Hand-off between the stage jobs of one pipelined call: job j publishes its result for
+// microbatch m, job j + 1 waits for it. Also carries the first failure, which wakes every waiter
+// so the whole call unwinds instead of deadlocking.
+#pragma once
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace rp {
+
+// Thrown inside a job whose call was aborted by another job's failure.
+struct CallAborted {};
+
+class CallState {
+  public:
+    CallState(size_t num_jobs, size_t num_microbatches)
+        : slots_(num_jobs, std::vector<std::optional<at::Tensor>>(num_microbatches)),
+          pending_jobs_(num_jobs) {}
+
+    void put(size_t job, size_t microbatch, at::Tensor value) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            slots_[job][microbatch] = std::move(value);
+        }
+        changed_.notify_all();
+    }
+
+    // Waits for and removes job `job`'s result for `microbatch`.
+    at::Tensor take(size_t job, size_t microbatch) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return error_ || slots_[job][microbatch].has_value(); });
+        if (error_)
+            throw CallAborted{};
+        at::Tensor value = std::move(*slots_[job][microbatch]);
+        slots_[job][microbatch].reset();
+        return value;
+    }
+
+    void fail(std::exception_ptr error) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (!error_)
+                error_ = error;
+        }
+        changed_.notify_all();
+    }
+
+    void job_finished() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            --pending_jobs_;
+        }
+        changed_.notify_all();
+    }
+
+    // Waits until every job has finished; returns the first failure or null.
+    std::exception_ptr wait_all() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return pending_jobs_ == 0; });
+        return error_;
+    }
+
+  private:
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    std::vector<std::vector<std::optional<at::Tensor>>> slots_;
+    size_t pending_jobs_;
+    std::exception_ptr error_;
+};
+
+} // namespace rp

@@ -1,0 +1,82 @@
+#include "engine/loss.h"
+
+#include "engine/error.h"
+
+namespace rp {
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+    std::string out = "[";
+    for (size_t i = 0; i < s.size(); ++i)
+        out += (i ? ", " : "") + std::to_string(s[i]);
+    return out + "]";
+}
+
+} // namespace
+
+void check_loss_inputs(const Loss &loss, const at::Tensor &output, const at::Tensor &labels) {
+    switch (loss.kind) {
+    case LossKind::Output:
+        require(output.numel() == 1, "loss RP_LOSS_OUTPUT needs a model output with one element, "
+                                     "got shape " + shape_str(output.sizes()));
+        break;
+    case LossKind::Mse:
+        require(labels.defined(), "loss RP_LOSS_MSE needs labels");
+        require(at::isFloatingType(labels.scalar_type()),
+                "loss RP_LOSS_MSE needs floating-point labels");
+        require(labels.sizes() == output.sizes(),
+                "labels of shape " + shape_str(labels.sizes()) +
+                    " do not match the model output of shape " + shape_str(output.sizes()) +
+                    " (per microbatch)");
+        break;
+    case LossKind::CrossEntropy:
+        require(labels.defined(), "loss RP_LOSS_CROSS_ENTROPY needs labels");
+        require(output.dim() == 2, "loss RP_LOSS_CROSS_ENTROPY needs outputs [N, C], got " +
+                                       shape_str(output.sizes()));
+        require(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
+                    labels.size(0) == output.size(0),
+                "loss RP_LOSS_CROSS_ENTROPY needs int64 labels [N] with N = " +
+                    std::to_string(output.size(0)) + ", got " + shape_str(labels.sizes()));
+        break;
+    case LossKind::Callback:
+        break;
+    }
+}
+
+double loss_backward(const Loss &loss, const at::Tensor &output, const at::Tensor &labels,
+                     int microbatch) {
+    if (loss.kind == LossKind::Callback) {
+        at::Tensor out_cpu = output.detach().to(at::kCPU, at::kFloat).contiguous();
+        at::Tensor grad;
+        double value = loss.callback(out_cpu, labels, microbatch, grad);
+        require(grad.defined() && grad.sizes() == output.sizes(),
+                "loss callback returned a gradient of shape " +
+                    (grad.defined() ? shape_str(grad.sizes()) : std::string("(none)")) +
+                    ", expected the output shape " + shape_str(output.sizes()));
+        require(at::isFloatingType(grad.scalar_type()),
+                "loss callback returned a gradient that is not floating point");
+        at::Tensor g = grad.to(output.device(), output.scalar_type()) * loss.scale;
+        torch::autograd::backward({output}, {g});
+        return value * loss.scale;
+    }
+    at::Tensor out = output.to(at::kFloat);
+    at::Tensor value;
+    switch (loss.kind) {
+    case LossKind::Output:
+        value = out.reshape({});
+        break;
+    case LossKind::Mse:
+        value = at::mse_loss(out, labels.to(out.device(), at::kFloat));
+        break;
+    case LossKind::CrossEntropy:
+        value = at::cross_entropy_loss(out, labels.to(out.device()));
+        break;
+    case LossKind::Callback:
+        break;
+    }
+    value = value * loss.scale;
+    torch::autograd::backward({value});
+    return value.item<double>();
+}
+
+} // namespace rp

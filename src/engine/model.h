@@ -1,0 +1,87 @@
+// A RoundPipe model: layers, host parameter store, stage plan, device workers and the optimizer
+// thread, and the training-loop semantics that tie them (docs/semantics.md).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/loss.h"
+#include "engine/param_store.h"
+#include "engine/pipeline.h"
+#include "engine/run_config.h"
+#include "engine/stage_planner.h"
+#include "layers/layer.h"
+#include "optim/builtin_optimizer.h"
+#include "optim/step_runner.h"
+
+namespace rp {
+
+enum class DeviceKind { Auto, Cpu, Cuda };
+enum class PinMode { Alloc, Register, Off };
+
+struct ModelOptions {
+    at::ScalarType model_dtype = at::kFloat;
+    PinMode pin_mode = PinMode::Alloc;
+    RunConfig run_config;
+    uint64_t seed = 0;
+    std::string name = "roundpipe";
+    DeviceKind device_kind = DeviceKind::Auto;
+    int num_devices = 0; // 0: all GPUs, or one CPU device
+    std::vector<int> stage_plan; // empty: automatic
+};
+
+int visible_cuda_devices();
+
+class Model {
+  public:
+    Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &options);
+    ~Model(); // drains the optimizer thread before the workers go
+
+    // Inference over microbatches; returns one output per microbatch.
+    std::vector<at::Tensor> forward(const std::vector<at::Tensor> &inputs, const RunConfig &call,
+                                    bool *merge_output);
+    // Fused forward + backward; returns the summed loss. `outputs` (may be null) receives one
+    // output per microbatch; `merge_output` whether the caller should merge them.
+    double forward_backward(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
+                            const Loss &loss, const RunConfig &call,
+                            std::vector<at::Tensor> *outputs, bool *merge_output);
+
+    // Queues `update` (which changes master weights from step grads) as the next step.
+    void step(std::function<void()> update, bool async);
+    void step_builtin(const OptimizerSettings &settings, bool async);
+    void synchronize();
+    void zero_grad();
+    // Replaces every master weight (all validated by the caller) and drops accumulated grads.
+    void load_master(const std::vector<at::Tensor> &values);
+
+    ParamStore &params() { return store_; }
+    const ParamStore &params() const { return store_; }
+    size_t num_layers() const { return layers_.size(); }
+    size_t num_stages() const { return stages_.size(); }
+    size_t num_devices() const { return pipeline_.num_devices(); }
+    bool has_cuda_devices() const { return !pipeline_.device(0).is_cpu(); }
+    int64_t steps_enqueued() const { return enqueued_; }
+    bool on_optimizer_thread() const { return runner_.on_this_thread(); }
+    const std::string &name() const { return name_; }
+
+  private:
+    ResolvedRunConfig resolve(const RunConfig &call) const;
+    void check_output_device(const at::Device &d) const;
+    void publish_completed_step();
+    void rethrow_step_error();
+
+    std::string name_;
+    uint64_t seed_;
+    std::vector<std::unique_ptr<Layer>> layers_;
+    ParamStore store_;
+    std::vector<Stage> stages_;
+    RunConfig run_config_;
+    Pipeline pipeline_;
+    uint64_t training_calls_ = 0;
+    int64_t enqueued_ = 0;  // steps handed to the optimizer thread
+    int64_t published_ = 0; // step whose weights the devices compute with
+    std::unique_ptr<BuiltinOptimizer> builtin_;
+    StepRunner runner_; // last member: its thread stops first
+};
+
+} // namespace rp

@@ -1,0 +1,196 @@
+#include "engine/stage_executor.h"
+
+#include "engine/error.h"
+#include "engine/seed.h"
+
+namespace rp {
+namespace {
+
+// A stage's weights on a device, as autograd leaves when gradients are wanted.
+struct StageWeights {
+    std::vector<std::vector<at::Tensor>> per_layer;
+    std::vector<std::pair<size_t, at::Tensor>> leaves; // (param index, tensor)
+};
+
+StageWeights upload_weights(const CallContext &ctx, const Stage &stage, at::Device device,
+                            bool requires_grad) {
+    StageWeights w;
+    for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
+        std::vector<at::Tensor> params;
+        for (size_t pi : ctx.store.layer_params(l)) {
+            // detach(): a fresh tensor object even when no copy happens (CPU devices), so autograd
+            // flags never touch the store's tensors.
+            at::Tensor t = ctx.store.at(pi).live.to(device, /*non_blocking=*/true).detach();
+            if (requires_grad)
+                t.requires_grad_(true);
+            params.push_back(t);
+            w.leaves.emplace_back(pi, t);
+        }
+        w.per_layer.push_back(std::move(params));
+    }
+    return w;
+}
+
+std::vector<std::pair<size_t, at::Tensor>> download_grads(const StageWeights &w) {
+    std::vector<std::pair<size_t, at::Tensor>> grads;
+    for (const auto &leaf : w.leaves)
+        if (leaf.second.grad().defined())
+            grads.emplace_back(leaf.first, leaf.second.grad().to(at::kCPU, at::kFloat));
+    return grads;
+}
+
+// Moves a host activation to the device in the compute dtype, as a fresh autograd leaf.
+at::Tensor to_compute(const at::Tensor &x, at::Device device, at::ScalarType dtype) {
+    at::ScalarType target = at::isFloatingType(x.scalar_type()) ? dtype : x.scalar_type();
+    return x.to(device, target).detach();
+}
+
+LayerContext layer_context(const CallContext &ctx, size_t layer, size_t microbatch) {
+    LayerContext lc;
+    lc.training = ctx.training;
+    lc.dropout_seed = dropout_seed(ctx.seed, ctx.call_index, layer, microbatch);
+    return lc;
+}
+
+at::Tensor run_layer(const CallContext &ctx, const StageWeights &w, const Stage &stage, size_t l,
+                     const at::Tensor &x, size_t m) {
+    return ctx.layers[l]->forward(w.per_layer[l - stage.first_layer], x, layer_context(ctx, l, m));
+}
+
+at::Tensor run_stage(const CallContext &ctx, const StageWeights &w, const Stage &stage,
+                     at::Tensor x, size_t m) {
+    for (size_t l = stage.first_layer; l < stage.end_layer; ++l)
+        x = run_layer(ctx, w, stage, l, x, m);
+    return x;
+}
+
+// Input of stage `stage` for microbatch m: the call's input for the first stage, else the
+// previous job's result.
+at::Tensor stage_input(CallContext &ctx, size_t job, size_t stage, size_t m) {
+    if (stage == 0)
+        return ctx.microbatches.inputs[m][0];
+    return ctx.state->take(job - 1, m);
+}
+
+void maybe_require_grad(at::Tensor &x, bool wanted) {
+    if (wanted && at::isFloatingType(x.scalar_type()))
+        x.requires_grad_(true);
+}
+
+at::Tensor grad_of(const at::Tensor &x) { return x.requires_grad() ? x.grad() : at::Tensor(); }
+
+void backward_if_needed(const at::Tensor &y, const at::Tensor &grad) {
+    if (y.requires_grad() && grad.defined())
+        torch::autograd::backward({y}, {grad});
+}
+
+} // namespace
+
+void run_forward_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
+    const Stage &stage = ctx.stages[s];
+    const bool last = s + 1 == ctx.stages.size();
+    at::NoGradGuard no_grad;
+    StageWeights w = upload_weights(ctx, stage, device, false);
+    for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
+        at::Tensor x = stage_input(ctx, job, s, m);
+        if (ctx.training)
+            ctx.stage_inputs[s][m] = x;
+        at::Tensor y = run_stage(ctx, w, stage, to_compute(x, device, ctx.store.model_dtype()), m);
+        if (last)
+            ctx.outputs[m] = y.to(ctx.output_device);
+        else
+            ctx.state->put(job, m, y.to(at::kCPU));
+    }
+}
+
+void run_tail_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
+    const Stage &stage = ctx.stages[s];
+    at::AutoGradMode grad_mode(true);
+    StageWeights w = upload_weights(ctx, stage, device, true);
+    for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
+        at::Tensor x = to_compute(stage_input(ctx, job, s, m), device, ctx.store.model_dtype());
+        maybe_require_grad(x, s > 0);
+        at::Tensor y = run_stage(ctx, w, stage, x, m);
+        if (ctx.keep_outputs)
+            ctx.outputs[m] = y.detach().to(ctx.output_device);
+        ctx.losses[m] = loss_backward(*ctx.loss, y, ctx.microbatches.labels[m], static_cast<int>(m));
+        at::Tensor g = grad_of(x);
+        ctx.state->put(job, m, g.defined() ? g.to(at::kCPU) : g);
+    }
+    ctx.job_grads[job] = download_grads(w);
+}
+
+void run_backward_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
+    const Stage &stage = ctx.stages[s];
+    at::AutoGradMode grad_mode(true);
+    StageWeights w = upload_weights(ctx, stage, device, true);
+    for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
+        at::Tensor grad_out = ctx.state->take(job - 1, m);
+        at::Tensor g = grad_out.defined() ? grad_out.to(device) : grad_out;
+        at::Tensor x = to_compute(ctx.stage_inputs[s][m], device, ctx.store.model_dtype());
+        ctx.stage_inputs[s][m] = at::Tensor(); // recompute input no longer needed: free it
+        if (ctx.grain == RecomputeGrain::Stage) {
+            maybe_require_grad(x, s > 0);
+            at::Tensor y = run_stage(ctx, w, stage, x, m);
+            backward_if_needed(y, g);
+            g = grad_of(x);
+        } else {
+            // Layer grain: a gradient-free pass keeps only each layer's input, then each layer is
+            // recomputed and back-propagated alone, so one layer's activations live at a time.
+            std::vector<at::Tensor> layer_inputs;
+            {
+                at::NoGradGuard no_grad;
+                at::Tensor h = x;
+                for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
+                    layer_inputs.push_back(h);
+                    if (l + 1 < stage.end_layer)
+                        h = run_layer(ctx, w, stage, l, h, m);
+                }
+            }
+            for (size_t l = stage.end_layer; l-- > stage.first_layer;) {
+                at::Tensor xi = layer_inputs[l - stage.first_layer].detach();
+                layer_inputs[l - stage.first_layer] = at::Tensor();
+                maybe_require_grad(xi, l > stage.first_layer || s > 0);
+                at::Tensor y = run_layer(ctx, w, stage, l, xi, m);
+                backward_if_needed(y, g);
+                g = grad_of(xi);
+            }
+        }
+        ctx.state->put(job, m, g.defined() ? g.to(at::kCPU) : g);
+    }
+    ctx.job_grads[job] = download_grads(w);
+}
+
+void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const ParamStore &store,
+                  const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
+                  const Loss *loss) {
+    // Runs the real layers on the host weights with an empty batch: every shape and dtype rule
+    // of every op is checked at almost no cost, and no kernel lacks an implementation for it.
+    at::NoGradGuard no_grad;
+    auto empty_batch = [](const at::Tensor &t) { return t.dim() > 0 ? t.narrow(0, 0, 0) : t; };
+    const at::Tensor &in = inputs[0];
+    at::Tensor x = empty_batch(in);
+    if (at::isFloatingType(x.scalar_type()))
+        x = x.to(store.model_dtype());
+    LayerContext lc; // evaluation mode: shapes do not depend on dropout
+    for (size_t l = 0; l < layers.size(); ++l) {
+        std::vector<at::Tensor> params;
+        for (size_t pi : store.layer_params(l))
+            params.push_back(store.at(pi).live);
+        const at::IntArrayRef before = x.sizes();
+        std::string shape = c10::str(before);
+        std::string dtype = c10::toString(x.scalar_type());
+        try {
+            x = layers[l]->forward(params, x, lc);
+        } catch (const c10::Error &e) {
+            fail(ErrorKind::InvalidArgument,
+                 "layer " + std::to_string(l) + " (" + layers[l]->type() +
+                     ") cannot take an input of shape " + shape + " (batch dimension emptied) "
+                     "and dtype " + dtype + ": " + e.what_without_backtrace());
+        }
+    }
+    if (loss)
+        check_loss_inputs(*loss, x, labels.defined() ? empty_batch(labels) : labels);
+}
+
+} // namespace rp

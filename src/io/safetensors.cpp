@@ -1,0 +1,159 @@
+#include "io/safetensors.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include "engine/error.h"
+
+namespace rp {
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void io_fail(const std::string &path, const std::string &what) {
+    fail(ErrorKind::Io, path + ": " + what);
+}
+
+struct DtypeInfo {
+    const char *name;
+    at::ScalarType type;
+};
+
+const DtypeInfo kDtypes[] = {{"F32", at::kFloat},  {"F16", at::kHalf}, {"BF16", at::kBFloat16},
+                             {"F64", at::kDouble}, {"I64", at::kLong}, {"I32", at::kInt},
+                             {"I8", at::kChar},    {"U8", at::kByte},  {"BOOL", at::kBool}};
+
+const char *dtype_name(at::ScalarType t) {
+    for (const DtypeInfo &d : kDtypes)
+        if (d.type == t)
+            return d.name;
+    fail(ErrorKind::InvalidArgument,
+         std::string("cannot store dtype ") + c10::toString(t) + " in safetensors");
+}
+
+} // namespace
+
+std::vector<NamedTensor> read_safetensors(const std::string &path) {
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (!in)
+        io_fail(path, std::string("cannot open: ") + std::strerror(errno));
+    const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+    in.seekg(0);
+    if (file_size < 8)
+        io_fail(path, "truncated: " + std::to_string(file_size) + " bytes, not a safetensors file");
+    unsigned char len_bytes[8];
+    in.read(reinterpret_cast<char *>(len_bytes), 8);
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i)
+        header_len = (header_len << 8) | len_bytes[i];
+    if (header_len > file_size - 8 || header_len > (100u << 20))
+        io_fail(path, "corrupt: header length " + std::to_string(header_len) +
+                          " does not fit the file of " + std::to_string(file_size) + " bytes");
+    std::string header(header_len, '\0');
+    in.read(header.data(), static_cast<std::streamsize>(header_len));
+    json h;
+    try {
+        h = json::parse(header);
+    } catch (const json::parse_error &e) {
+        io_fail(path, std::string("corrupt header (not JSON): ") + e.what());
+    }
+    if (!h.is_object())
+        io_fail(path, "corrupt header: not a JSON object");
+    const uint64_t data_size = file_size - 8 - header_len;
+
+    std::vector<NamedTensor> out;
+    for (auto it = h.begin(); it != h.end(); ++it) {
+        if (it.key() == "__metadata__")
+            continue;
+        const std::string where = "tensor \"" + it.key() + "\": ";
+        const json &e = it.value();
+        if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
+            !e.contains("data_offsets") || !e["dtype"].is_string() || !e["shape"].is_array() ||
+            !e["data_offsets"].is_array() || e["data_offsets"].size() != 2)
+            io_fail(path, where + "corrupt entry " + e.dump());
+        const DtypeInfo *info = nullptr;
+        for (const DtypeInfo &d : kDtypes)
+            if (e["dtype"] == d.name)
+                info = &d;
+        if (!info)
+            io_fail(path, where + "unsupported dtype " + e["dtype"].dump());
+        std::vector<int64_t> shape;
+        uint64_t numel = 1;
+        for (const json &d : e["shape"]) {
+            if (!d.is_number_unsigned())
+                io_fail(path, where + "corrupt shape " + e["shape"].dump());
+            shape.push_back(d.get<int64_t>());
+            numel *= d.get<uint64_t>();
+        }
+        const json &off = e["data_offsets"];
+        if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+            io_fail(path, where + "corrupt data_offsets " + off.dump());
+        uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+        uint64_t nbytes = numel * c10::elementSize(info->type);
+        if (begin > end || end > data_size)
+            io_fail(path, where + "data_offsets [" + std::to_string(begin) + ", " +
+                              std::to_string(end) + "] lie outside the " +
+                              std::to_string(data_size) + " data bytes (truncated file?)");
+        if (end - begin != nbytes)
+            io_fail(path, where + "holds " + std::to_string(end - begin) + " bytes but its shape " +
+                              e["shape"].dump() + " and dtype need " + std::to_string(nbytes));
+        at::Tensor t = at::empty(shape, at::TensorOptions().dtype(info->type));
+        in.seekg(static_cast<std::streamoff>(8 + header_len + begin));
+        in.read(static_cast<char *>(t.data_ptr()), static_cast<std::streamsize>(nbytes));
+        if (!in)
+            io_fail(path, where + "read failed (truncated file?)");
+        out.push_back({it.key(), t});
+    }
+    return out;
+}
+
+void write_safetensors(const std::string &path, const std::vector<NamedTensor> &tensors,
+                       const std::map<std::string, std::string> &metadata) {
+    json h = json::object();
+    if (!metadata.empty())
+        h["__metadata__"] = metadata;
+    uint64_t offset = 0;
+    std::vector<at::Tensor> contiguous;
+    for (const NamedTensor &nt : tensors) {
+        at::Tensor t = nt.tensor.to(at::kCPU).contiguous();
+        uint64_t nbytes = t.numel() * t.element_size();
+        h[nt.name] = {{"dtype", dtype_name(t.scalar_type())},
+                      {"shape", t.sizes().vec()},
+                      {"data_offsets", {offset, offset + nbytes}}};
+        offset += nbytes;
+        contiguous.push_back(t);
+    }
+    std::string header = h.dump();
+    header.append((8 - header.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    std::FILE *f = std::fopen(tmp.c_str(), "wb");
+    if (!f)
+        io_fail(path, std::string("cannot create temporary file: ") + std::strerror(errno));
+    bool ok = true;
+    unsigned char len_bytes[8];
+    uint64_t len = header.size();
+    for (int i = 0; i < 8; ++i)
+        len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
+    ok = ok && std::fwrite(len_bytes, 1, 8, f) == 8;
+    ok = ok && std::fwrite(header.data(), 1, header.size(), f) == header.size();
+    for (const at::Tensor &t : contiguous) {
+        size_t nbytes = t.numel() * t.element_size();
+        ok = ok && (nbytes == 0 || std::fwrite(t.data_ptr(), 1, nbytes, f) == nbytes);
+    }
+    ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
+    int saved_errno = errno;
+    ok = (std::fclose(f) == 0) && ok;
+    if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+        if (ok)
+            saved_errno = errno;
+        std::remove(tmp.c_str());
+        io_fail(path, std::string("write failed: ") + std::strerror(saved_errno));
+    }
+}
+
+} // namespace rp

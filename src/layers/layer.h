@@ -1,0 +1,47 @@
+// A pipeline layer: a pure function of its parameters and its input. Layers hold no tensors, so
+// the engine decides where weights live (host store, device copies) and one layer object can
+// run on every device at once.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace rp {
+
+enum class InitKind { Uniform, Normal, Ones, Zeros };
+
+struct ParamSpec {
+    std::string name;           // the layer's own name, e.g. "fc1.weight"
+    std::vector<int64_t> shape; // fixed at construction
+    InitKind init = InitKind::Zeros;
+    double scale = 0.0; // uniform bound or normal standard deviation
+};
+
+// Per-call, per-microbatch facts a layer may need.
+struct LayerContext {
+    bool training = false;
+    uint64_t dropout_seed = 0; // derived from (model seed, call, layer, microbatch)
+};
+
+class Layer {
+  public:
+    virtual ~Layer() = default;
+
+    virtual std::string type() const = 0;
+    const std::vector<ParamSpec> &params() const { return params_; }
+
+    // `params` are in the order of params(), on the device and dtype of the computation.
+    virtual at::Tensor forward(const std::vector<at::Tensor> &params, const at::Tensor &x,
+                               const LayerContext &ctx) const = 0;
+
+    // Relative cost for the planner before any measurement: parameters dominate both compute
+    // and transfer time for the layers we build, plus a constant for parameter-free layers.
+    virtual double cost_estimate() const;
+
+  protected:
+    std::vector<ParamSpec> params_;
+};
+
+} // namespace rp

@@ -1,0 +1,44 @@
+#include "optim/sgd_kernel.h"
+
+#include <ATen/Parallel.h>
+
+namespace rp {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
+sgd_range(float *__restrict p, const float *__restrict g, float *__restrict buf, int64_t n,
+          float lr, float momentum, float wd, bool first_step) {
+    if (!buf) {
+        for (int64_t i = 0; i < n; ++i)
+            p[i] -= lr * (g[i] + wd * p[i]);
+        return;
+    }
+    if (first_step) {
+        for (int64_t i = 0; i < n; ++i) {
+            float d = g[i] + wd * p[i];
+            buf[i] = d;
+            p[i] -= lr * d;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        float b = momentum * buf[i] + (g[i] + wd * p[i]);
+        buf[i] = b;
+        p[i] -= lr * b;
+    }
+}
+
+} // namespace
+
+void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n,
+                const SgdHyper &h, bool first_step) {
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        sgd_range(param + begin, grad + begin, momentum_buf ? momentum_buf + begin : nullptr,
+                  end - begin, static_cast<float>(h.lr), static_cast<float>(h.momentum),
+                  static_cast<float>(h.weight_decay), first_step);
+    });
+}
+
+} // namespace rp

@@ -1,0 +1,16 @@
+// CPU SGD with momentum over fp32 arrays, with torch.optim.SGD's arithmetic (L2 weight decay
+// added to the gradient, dampening 0, the first step seeds the momentum buffer with the gradient).
+#pragma once
+#include <cstdint>
+
+namespace rp {
+
+struct SgdHyper {
+    double lr, momentum, weight_decay;
+};
+
+// `momentum_buf` may be null when momentum is 0. `first_step` seeds the buffer.
+void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n,
+                const SgdHyper &h, bool first_step);
+
+} // namespace rp

@@ -1,0 +1,64 @@
+#include "optim/step_runner.h"
+
+namespace rp {
+
+StepRunner::StepRunner() : thread_([this] { loop(); }) {}
+
+StepRunner::~StepRunner() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+}
+
+void StepRunner::submit(std::function<void()> task) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        queue_.push_back(std::move(task));
+    }
+    wake_.notify_all();
+}
+
+void StepRunner::wait_for(int64_t count) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return completed_ >= count; });
+}
+
+std::exception_ptr StepRunner::take_error() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    return e;
+}
+
+void StepRunner::loop() {
+    for (;;) {
+        std::function<void()> task;
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            // Stop only once the queue is empty: destruction drains pending steps.
+            wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+            if (queue_.empty())
+                return;
+            task = std::move(queue_.front());
+            queue_.pop_front();
+        }
+        std::exception_ptr error;
+        try {
+            task();
+        } catch (...) {
+            error = std::current_exception();
+        }
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (error && !error_)
+                error_ = error;
+            ++completed_;
+        }
+        done_.notify_all();
+    }
+}
+
+} // namespace rp
