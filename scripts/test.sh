@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run the whole RoundPipe test suite: C (CMocka), Python, Rust, the ABI gates and the examples,
+# all through ctest in the build folder. Configures the build first if it never was (run
+# scripts/setup.sh once on a new machine), and always brings the build up to date.
+#
+#   bash scripts/test.sh                 # everything that can run here
+#   bash scripts/test.sh -R equivalence  # extra arguments go to ctest
+#
+# Tests labelled "gpu" run only when nvidia-smi sees a GPU (RP_TEST_GPU=0/1 overrides).
+# Limits: each test has its own TIMEOUT (default 900 s); the whole run RP_TEST_TIMEOUT seconds
+# (default 1800). Exits non-zero when any test fails or none was found.
+set -euo pipefail
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$RP_ROOT"
+
+rp_cargo_path
+rp_select_python use
+if [ ! -f "$RP_BUILD_DIR/CMakeCache.txt" ]; then
+    rp_torch_info
+    rp_cuda_env find
+    rp_configure
+fi
+rp_build
+
+gpu=${RP_TEST_GPU:-}
+if [ -z "$gpu" ]; then
+    gpu=0
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+        gpu=1
+    fi
+fi
+labels=()
+if [ "$gpu" = 1 ]; then
+    rp_log "GPU visible: running every test, the gpu label included"
+else
+    rp_log "no GPU: leaving out the tests labelled gpu"
+    labels=(-LE gpu)
+fi
+
+cd "$RP_BUILD_DIR"
+timeout --kill-after=30 "${RP_TEST_TIMEOUT:-1800}" \
+    ctest --output-on-failure --no-tests=error --timeout 900 "${labels[@]}" "$@"
