@@ -1,0 +1,251 @@
+# Tests of RoundPipe.jl, mirroring the Rust crate's (bindings/rust/roundpipe/tests).
+#
+#   ROUNDPIPE_LIBRARY=build/libroundpipe.so julia --project=bindings/julia/RoundPipe.jl \
+#       -e 'using Pkg; Pkg.test()'
+#
+# No Julia runtime can be installed on our CI machines, so these tests are not run there; the
+# header gate (tools/abi/check_bindings.py) checks the raw ccall layer against the header.
+# Set ROUNDPIPE_C_EXAMPLE to the C example's binary to compare losses with it.
+
+using Test
+using RoundPipe
+const L = RoundPipe.LibRoundPipe
+
+# The Julia example itself, so that the tests run the code a reader sees.
+const EXAMPLE = normpath(joinpath(@__DIR__, "..", "..", "..", "..", "examples", "julia",
+                                  "train_mlp.jl"))
+module Example end
+Base.include(Example, EXAMPLE)
+
+reldiff(a, b) = abs(a - b) / max(abs(a), abs(b), floatmin(Float64))
+
+@testset "RoundPipe.jl" begin
+
+@testset "library and ABI version" begin
+    @test RoundPipe.abi_version() == L.RP_ABI_VERSION
+    @test length(split(RoundPipe.version(), '.')) == 3
+    @test RoundPipe.status_name(L.RP_ERR_IO) != ""
+end
+
+@testset "DLPack struct layouts" begin
+    @test sizeof(L.DLDevice) == 8
+    @test sizeof(L.DLDataType) == 4
+    @test sizeof(L.DLTensor) == 48
+    @test sizeof(L.DLManagedTensor) == 64
+    @test sizeof(L.DLManagedTensorVersioned) == 80
+end
+
+@testset "recipe data matches the check values in RECIPE.md" begin
+    X, Y = Example.make_data()
+    @test size(X) == (8, 24) && size(Y) == (1, 24)
+    @test Float64(X[1, 1]) == 0.136460542678833
+    @test Float64(X[2, 1]) == -0.5490732192993164
+    @test Float64(Y[1, 1]) == -2.218505382537842
+    @test Float64(X[8, 24]) == 0.02287578582763672
+    @test Float64(Y[1, 24]) == 0.6170184016227722
+end
+
+@testset "recipe training: the loss falls, deterministically" begin
+    _, a = Example.train()
+    _, b = Example.train()
+    @test length(a) == 20
+    @test all(isfinite, a)
+    @test a[end] < a[1]
+    @test minimum(a) < 0.5 * a[1]
+    @test a[2] == a[1]  # staleness one: the second call still runs on the initial weights
+    @test a == b
+end
+
+@testset "recipe losses equal the C example's" begin
+    exe = get(ENV, "ROUNDPIPE_C_EXAMPLE", "")
+    if isempty(exe) || !isfile(exe)
+        @info "skipped: set ROUNDPIPE_C_EXAMPLE to the C example's binary"
+    else
+        lines = split(read(`$exe`, String), '\n'; keepempty=false)
+        c_data = parse.(Float64, split(lines[1])[2:end])
+        c_losses = [parse(Float64, split(l)[4]) for l in lines[2:end]]
+        data, losses = Example.train()
+        @test c_data == collect(data)
+        @test length(c_losses) == length(losses)
+        @test all(reldiff(c, r) <= 1e-6 for (c, r) in zip(c_losses, losses))
+    end
+end
+
+@testset "first loss equals the MSE of the forward outputs" begin
+    X, Y = Example.make_data()
+    Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3) do m
+        outs = forward(m, X)
+        @test length(outs) == 1
+        @test size(outs[1]) == (1, 24) && eltype(outs[1]) == Float32
+        expected = sum((Float64.(outs[1]) .- Float64.(Y)) .^ 2) / 24
+        loss = Loss(:mse; scale=1 / 3)
+        @test reldiff(forward_backward(m, X; labels=Y, loss=loss), expected) <= 1e-5
+        close(loss)
+    end
+end
+
+rust_like_mse(o, l, mb) = (sum((Float64.(o) .- Float64.(l)) .^ 2) / length(o),
+                           Float32.(2 .* (o .- l) ./ length(o)))
+
+@testset "loss callback trains like the built-in MSE" begin
+    X, Y = Example.make_data()
+    builtin = Loss(:mse; scale=1 / 3)
+    callback = Loss(rust_like_mse; scale=1 / 3)
+    opt = Optimizer(:adamw; lr=1e-2)
+    a = Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3)
+    b = Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3)
+    for _ in 1:5
+        la = forward_backward(a, X; labels=Y, loss=builtin)
+        lb = forward_backward(b, X; labels=Y, loss=callback)
+        @test reldiff(la, lb) <= 1e-5
+        step!(a, opt)
+        step!(b, opt)
+    end
+    foreach(close, (a, b, builtin, callback, opt))
+end
+
+@testset "loss callback errors become RoundPipeError(RP_ERR_CALLBACK)" begin
+    X, Y = Example.make_data()
+    Model(Example.SPEC; seed=1, devices=:cpu, num_devices=2, num_microbatch=3) do m
+        failing = Loss((o, l, mb) -> error("labels look wrong"))
+        e = try
+            forward_backward(m, X; labels=Y, loss=failing); nothing
+        catch err
+            err
+        end
+        @test e isa RoundPipeError
+        @test e.status == L.RP_ERR_CALLBACK
+        @test occursin("labels look wrong", e.message)
+        # The model is still usable.
+        @test isfinite(forward_backward(m, X; labels=Y, loss=Loss(:mse)))
+        close(failing)
+    end
+end
+
+@testset "step callback SGD equals built-in SGD" begin
+    X, Y = Example.make_data()
+    lr = 0.05
+    loss = Loss(:mse)
+    sgd = Optimizer(:sgd; lr=lr)
+    a = Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3)
+    b = Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3)
+    for _ in 1:3
+        forward_backward(a, X; labels=Y, loss=loss)
+        step!(a, sgd; async=false)
+        forward_backward(b, X; labels=Y, loss=loss)
+        step!(b; async=false) do ctx
+            for i in 1:param_count(ctx)
+                g = param_grad(ctx, i)
+                with_param_master(ctx, i) do w
+                    w .-= Float32(lr) .* g
+                end
+            end
+        end
+    end
+    synchronize!(a); synchronize!(b)
+    for i in 1:param_count(a)
+        @test isapprox(param_master(a, i), param_master(b, i); rtol=1e-6, atol=1e-6)
+    end
+    foreach(close, (a, b, loss, sgd))
+end
+
+@testset "failed async step callback is reported by synchronize!" begin
+    X, Y = Example.make_data()
+    Model(Example.SPEC; seed=3, devices=:cpu, num_devices=2, num_microbatch=3) do m
+        forward_backward(m, X; labels=Y, loss=Loss(:mse))
+        step!(ctx -> error("refusing this step"), m; async=true)
+        e = try
+            synchronize!(m); nothing
+        catch err
+            err
+        end
+        @test e isa RoundPipeError && e.status == L.RP_ERR_CALLBACK
+        @test occursin("refusing this step", e.message)
+    end
+end
+
+@testset "parameters follow the spec" begin
+    Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3) do m
+        expected = [("0.weight", [32, 8]), ("0.bias", [32]), ("2.norm.weight", [32]),
+                    ("2.norm.bias", [32]), ("2.fc1.weight", [64, 32]), ("2.fc1.bias", [64]),
+                    ("2.fc2.weight", [32, 64]), ("2.fc2.bias", [32]), ("3.weight", [1, 32]),
+                    ("3.bias", [1])]
+        @test num_layers(m) == 4
+        @test num_devices(m) == 2
+        @test param_count(m) == length(expected)
+        for (i, (name, shape)) in enumerate(expected)
+            @test param_name(m, i) == name
+            @test param_find(m, name) == i
+            @test param_shape(m, i) == shape
+            @test size(param_master(m, i)) == Tuple(reverse(shape))
+        end
+    end
+end
+
+@testset "saved weights load into another model" begin
+    X, _ = Example.make_data()
+    a = Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3)
+    b = Model(Example.SPEC; seed=7, devices=:cpu, num_devices=2, num_microbatch=3)
+    mktempdir() do dir
+        path = joinpath(dir, "weights.safetensors")
+        save(a, path)
+        before = forward(b, X)[1]
+        load!(b, path)
+        @test forward(b, X)[1] == forward(a, X)[1]
+        @test before != forward(a, X)[1]
+    end
+    foreach(close, (a, b))
+end
+
+@testset "error paths" begin
+    # Malformed JSON and bad layer arguments.
+    e = try Model("{\"layers\": [ {\"type\": \"linear\", "); nothing catch err; err end
+    @test e isa RoundPipeError && e.status == L.RP_ERR_INVALID_ARGUMENT && !isempty(e.message)
+    e = try
+        Model("""{"layers":[{"type":"gelu"},{"type":"linear","in":-3,"out":2}]}"""); nothing
+    catch err
+        err
+    end
+    @test e isa RoundPipeError && occursin("layer 1 (linear)", e.message)
+    @test occursin("invalid", sprint(showerror, e)) || occursin("(-1)", sprint(showerror, e))
+    # Bad option values.
+    @test_throws RoundPipeError RunConfig(; num_microbatch=-1)
+    @test_throws RoundPipeError Optimizer(:sgd; betas=(0.9, 0.99))
+    @test_throws RoundPipeError Optimizer(:adamw; momentum=0.9)
+    @test_throws RoundPipeError Loss(:mse; scale=Inf)
+    @test_throws RoundPipeError Model("""{"layers":[{"type":"linear","in":4,"out":2}]}""";
+                                      devices=:cpu, num_devices=65)
+    # Wrong input shape and dtype; the model survives.
+    Model("""{"layers":[{"type":"linear","in":4,"out":2}]}"""; seed=5, devices=:cpu,
+          num_devices=1) do m
+        loss = Loss(:mse)
+        labels = zeros(Float32, 2, 6)
+        @test_throws RoundPipeError forward_backward(m, zeros(Float32, 5, 6); labels=labels,
+                                                     loss=loss)
+        @test_throws RoundPipeError forward(m, zeros(Int64, 4, 6))
+        @test isfinite(forward_backward(m, fill(0.25f0, 4, 6); labels=labels, loss=loss))
+        @test size(forward(m, fill(0.25f0, 4, 6))[1]) == (2, 6)
+        # Missing file, out-of-range parameter.
+        e = try load!(m, "/nonexistent-roundpipe/weights.safetensors"); nothing catch err; err end
+        @test e isa RoundPipeError && e.status == L.RP_ERR_IO
+        @test occursin("weights.safetensors", e.message)
+        @test_throws RoundPipeError param_name(m, 3)
+        close(loss)
+    end
+end
+
+@testset "close is idempotent and closed handles are refused" begin
+    m = Model("""{"layers":[{"type":"linear","in":4,"out":2}]}"""; devices=:cpu)
+    close(m)
+    close(m)
+    @test m.ptr == C_NULL
+    @test_throws RoundPipeError num_layers(m)
+    o = Optimizer(:adamw)
+    close(o); close(o)
+    l = Loss(:mse)
+    close(l); close(l)
+    c = RunConfig(; num_microbatch=2)
+    close(c); close(c)
+end
+
+end # testset

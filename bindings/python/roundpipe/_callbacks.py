@@ -1,0 +1,229 @@
+"""Python callables that the library's threads call back: loss functions, step functions and
+custom split functions.
+
+One CFUNCTYPE trampoline per kind lives for the whole process, so no callback object can be
+collected while C may still call it. The C ``user_data`` is a key into a registry of the calls
+in flight; each entry holds the user's callable and a slot for the exception it raised. A
+trampoline never lets an exception escape into C (ctypes would print it and return 0, which C
+would read as success): it stores the exception and returns 1; the method that made the C call
+re-raises it once the call has returned.
+"""
+
+import itertools
+import threading
+
+import torch
+
+from . import _capi
+from ._dlpack import copy_borrowed, to_owned
+
+
+class _Registry:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items = {}
+        self._keys = itertools.count(1)  # 0 would read as NULL
+
+    def add(self, obj):
+        with self._lock:
+            key = next(self._keys)
+            self._items[key] = obj
+            return key
+
+    def get(self, key):
+        with self._lock:
+            return self._items.get(key)
+
+    def pop(self, key):
+        with self._lock:
+            return self._items.pop(key, None)
+
+    def __len__(self):
+        with self._lock:
+            return len(self._items)
+
+
+#: Calls in flight, keyed by the user_data given to C.
+registry = _Registry()
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss
+# ------------------------------------------------------------------------------------------------
+
+
+class LossCall:
+    """One forward_backward with a Python loss_fn. `labels` is the per-microbatch list split by
+    the binding, or None when the engine passes its own label pieces (or there is none)."""
+
+    def __init__(self, fn, labels):
+        self.fn = fn
+        self.labels = labels
+        self.exc = None
+
+    def compute(self, outputs, label):
+        """(loss value, gradient of the loss with respect to `outputs`)."""
+        with torch.enable_grad():
+            outputs.requires_grad_(True)
+            result = self.fn(outputs, label)
+            losses = [result] if isinstance(result, torch.Tensor) else list(result)
+            for loss in losses:
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError("loss_fn must return a tensor or a sequence of tensors, "
+                                    "got %s" % type(loss).__name__)
+            value = sum(float(loss.detach().double().sum()) for loss in losses)
+            with_grad = [loss for loss in losses if loss.requires_grad]
+            if with_grad:
+                torch.autograd.backward(with_grad)
+        grad = outputs.grad
+        if grad is None:
+            grad = torch.zeros_like(outputs)
+        return value, grad.detach()
+
+
+def _loss_entry(out_loss, out_grad, outputs, labels, microbatch, user_data):
+    call = registry.get(user_data)
+    if call is None:
+        return 1
+    try:
+        out = copy_borrowed(outputs)
+        label = call.labels[microbatch] if call.labels is not None else copy_borrowed(labels)
+        value, grad = call.compute(out, label)
+        out_loss[0] = value
+        out_grad[0] = to_owned(grad)  # last: only a complete result hands memory over
+        return 0
+    except BaseException as exc:  # noqa: B902 - nothing may escape into C
+        if call.exc is None:
+            call.exc = exc
+        return 1
+
+
+LOSS_TRAMPOLINE = _capi.rp_loss_fn(_loss_entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# Step
+# ------------------------------------------------------------------------------------------------
+
+
+class StepCall:
+    """One step(step_fn): the function, its arguments and the model's parameter state."""
+
+    def __init__(self, params, fn, args, kwargs):
+        self.params = params
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+
+
+def _step_entry(model, user_data):
+    call = registry.pop(user_data)
+    if call is None:
+        return 1
+    params = call.params
+    try:
+        params.attach_grads(model)
+        try:
+            call.fn(*call.args, **call.kwargs)
+        finally:
+            params.detach_grads()
+        return 0
+    except BaseException as exc:  # noqa: B902
+        params.record_step_exception(exc)
+        return 1
+
+
+STEP_TRAMPOLINE = _capi.rp_step_fn(_step_entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# Split
+# ------------------------------------------------------------------------------------------------
+
+
+class SplitCall:
+    """One call with a custom split_input function: it is called with the call's own Python
+    arguments (the DLPack inputs C passes are those same tensors)."""
+
+    def __init__(self, fn, args, kwargs, flatten):
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.flatten = flatten  # (args, kwargs) -> list of tensors, same layout as the inputs
+        self.exc = None
+
+
+def _split_entry(out_pieces, inputs, n_inputs, num_microbatch, user_data):
+    call = registry.get(user_data)
+    if call is None:
+        return 1
+    try:
+        result = call.fn(call.args, call.kwargs, num_microbatch)
+        try:
+            args_list, kwargs_list = result
+        except (TypeError, ValueError):
+            raise TypeError("split_input function must return (args_list, kwargs_list)") \
+                from None
+        args_list, kwargs_list = list(args_list), list(kwargs_list)
+        if len(args_list) != num_microbatch or len(kwargs_list) != num_microbatch:
+            raise ValueError("split_input function returned %d args and %d kwargs entries for "
+                             "%d microbatches" % (len(args_list), len(kwargs_list),
+                                                 num_microbatch))
+        pieces = []
+        for m in range(num_microbatch):
+            flat = call.flatten(args_list[m], kwargs_list[m])
+            if len(flat) != n_inputs:
+                raise ValueError("split_input function: microbatch %d has %d inputs, the call "
+                                 "has %d" % (m, len(flat), n_inputs))
+            pieces.extend(flat)
+        for slot, piece in enumerate(pieces):
+            out_pieces[slot] = to_owned(piece)
+        return 0
+    except BaseException as exc:  # noqa: B902
+        if call.exc is None:
+            call.exc = exc
+        return 1
+
+
+SPLIT_TRAMPOLINE = _capi.rp_split_fn(_split_entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# Log
+# ------------------------------------------------------------------------------------------------
+
+_log_state = {"fn": None, "trampoline": None}
+
+
+def _log_entry(level, message, user_data):
+    fn = _log_state["fn"]
+    if fn is None:
+        return
+    try:
+        fn(int(level), message.decode("utf-8", "replace") if message else "")
+    except BaseException:  # noqa: B902 - a logger must not break the library
+        pass
+
+
+def set_log_callback(fn, min_level=_capi.RP_LOG_WARN):
+    """Route the library's log messages at or above `min_level` (0 debug, 1 info, 2 warn,
+    3 error) to ``fn(level, message)``; None restores the default (warnings to stderr).
+
+    `fn` runs on whichever RoundPipe thread logs, one call at a time; it must not call back
+    into RoundPipe. Exceptions it raises are ignored.
+    """
+    L = _capi.lib()
+    if fn is None:
+        L.rp_set_log_callback(_capi.rp_log_fn(), int(min_level), None)  # NULL: default sink
+        _log_state["fn"] = None
+        return
+    if not callable(fn):
+        raise TypeError("fn must be callable or None")
+    if _log_state["trampoline"] is None:
+        _log_state["trampoline"] = _capi.rp_log_fn(_log_entry)
+    previous, _log_state["fn"] = _log_state["fn"], fn
+    try:
+        L.rp_set_log_callback(_log_state["trampoline"], int(min_level), None)
+    except BaseException:
+        _log_state["fn"] = previous
+        raise

@@ -1,0 +1,385 @@
+"""The C API of libroundpipe, declared once for ctypes.
+
+Every function of ``include/roundpipe.h`` is declared here with its ``argtypes`` and
+``restype``; functions returning ``rp_status`` get an ``errcheck`` that raises
+:class:`~roundpipe.errors.RoundPipeError` with ``rp_last_error_message()``. The C prototype
+stands beside each declaration. Nothing else in the package calls ``ctypes.CDLL``.
+
+The library is loaded on first use (:func:`lib`), from, in order:
+  1. the file named by the environment variable ``ROUNDPIPE_LIBRARY``;
+  2. ``libroundpipe.so`` next to this package (a wheel may bundle it there);
+  3. the build trees of a source checkout (``<repo>/build/``, ``<repo>/build*/``);
+  4. the system's library path (``ctypes.util.find_library("roundpipe")``).
+The error lists every path tried and why each failed.
+
+ctypes releases the GIL during every call into the library, which is what lets the library's
+threads run Python callbacks (loss functions, step functions) while the caller waits.
+"""
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_int, c_int32,
+                    c_int64, c_size_t, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p)
+
+# libroundpipe links the libtorch of the pip wheel; importing torch first makes the process load
+# those libraries once, from the wheel, for both torch and RoundPipe.
+import torch  # noqa: F401  (imported for its side effect on the dynamic loader)
+
+from .errors import LibraryNotFoundError, RoundPipeError, Status
+
+#: The ABI version this binding was written for (RP_ABI_VERSION in roundpipe.h).
+ABI_VERSION = 1
+
+# ------------------------------------------------------------------------------------------------
+# DLPack 1.x structures, as declared in roundpipe.h.
+# ------------------------------------------------------------------------------------------------
+
+kDLCPU = 1
+kDLCUDA = 2
+kDLCUDAHost = 3
+
+
+class DLDevice(Structure):
+    _fields_ = [("device_type", c_int), ("device_id", c_int32)]
+
+
+class DLDataType(Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class DLTensor(Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("device", DLDevice),
+        ("ndim", c_int32),
+        ("dtype", DLDataType),
+        ("shape", POINTER(c_int64)),
+        ("strides", POINTER(c_int64)),
+        ("byte_offset", c_uint64),
+    ]
+
+
+class DLManagedTensor(Structure):
+    pass
+
+
+# void (*deleter)(struct DLManagedTensor *self);
+DLManagedTensorDeleter = CFUNCTYPE(None, POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [
+    ("dl_tensor", DLTensor),
+    ("manager_ctx", c_void_p),
+    ("deleter", DLManagedTensorDeleter),
+]
+
+
+class DLPackVersion(Structure):
+    _fields_ = [("major", c_uint32), ("minor", c_uint32)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Opaque handles. Distinct c_void_p subclasses, so a model handle cannot be passed for a loss.
+# ------------------------------------------------------------------------------------------------
+
+
+class rp_run_config_p(c_void_p):
+    pass
+
+
+class rp_model_options_p(c_void_p):
+    pass
+
+
+class rp_model_p(c_void_p):
+    pass
+
+
+class rp_tensor_list_p(c_void_p):
+    pass
+
+
+class rp_loss_p(c_void_p):
+    pass
+
+
+class rp_optimizer_p(c_void_p):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Enumerations (mirrors of the header's enums; ctypes cannot see C macros or enums).
+# ------------------------------------------------------------------------------------------------
+
+RP_LOG_DEBUG, RP_LOG_INFO, RP_LOG_WARN, RP_LOG_ERROR = 0, 1, 2, 3
+RP_DTYPE_DEFAULT, RP_DTYPE_F32, RP_DTYPE_BF16, RP_DTYPE_F16 = 0, 1, 2, 3
+RP_PIN_ALLOC, RP_PIN_REGISTER, RP_PIN_OFF = 0, 1, 2
+RP_DEVICE_AUTO, RP_DEVICE_CPU, RP_DEVICE_CUDA = 0, 1, 2
+RP_GRAIN_DEFAULT, RP_GRAIN_STAGE, RP_GRAIN_LAYER = 0, 1, 2
+RP_SPLIT_REPLICATE = -1
+RP_LOSS_OUTPUT, RP_LOSS_MSE, RP_LOSS_CROSS_ENTROPY = 0, 1, 2
+RP_OPTIMIZER_ADAMW, RP_OPTIMIZER_SGD = 0, 1
+
+# ------------------------------------------------------------------------------------------------
+# Callback types. Pointer arguments arrive as Python ints (or None for NULL).
+# ------------------------------------------------------------------------------------------------
+
+# typedef void (*rp_log_fn)(int32_t level, const char *message, void *user_data);
+rp_log_fn = CFUNCTYPE(None, c_int32, c_char_p, c_void_p)
+
+# typedef int32_t (*rp_split_fn)(DLManagedTensor **out_pieces,
+#     const DLManagedTensor *const *inputs, size_t n_inputs, int32_t num_microbatch,
+#     void *user_data);
+rp_split_fn = CFUNCTYPE(c_int32, POINTER(c_void_p), POINTER(c_void_p), c_size_t, c_int32,
+                        c_void_p)
+
+# typedef int32_t (*rp_loss_fn)(double *out_loss, DLManagedTensor **out_grad,
+#     const DLManagedTensor *outputs, const DLManagedTensor *labels, int32_t microbatch,
+#     void *user_data);
+rp_loss_fn = CFUNCTYPE(c_int32, POINTER(c_double), POINTER(c_void_p), c_void_p, c_void_p,
+                       c_int32, c_void_p)
+
+# typedef int32_t (*rp_step_fn)(rp_model *model, void *user_data);
+rp_step_fn = CFUNCTYPE(c_int32, c_void_p, c_void_p)
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIB_NAMES = ("libroundpipe.so", "libroundpipe.so.1")
+
+
+def candidate_paths():
+    """The places searched for the library, in order (environment variable first)."""
+    paths = []
+    env = os.environ.get("ROUNDPIPE_LIBRARY")
+    if env:
+        paths.append(("ROUNDPIPE_LIBRARY", env))
+    for name in _LIB_NAMES:
+        paths.append(("next to the package", os.path.join(_PACKAGE_DIR, name)))
+    # bindings/python/roundpipe -> repository root
+    repo = os.path.normpath(os.path.join(_PACKAGE_DIR, "..", "..", ".."))
+    trees = [os.path.join(repo, "build")]
+    trees += sorted(p for p in glob.glob(os.path.join(repo, "build*"))
+                    if os.path.isdir(p) and p not in trees)
+    for tree in trees:
+        paths.append(("build tree", os.path.join(tree, "libroundpipe.so")))
+    found = ctypes.util.find_library("roundpipe")
+    if found:
+        paths.append(("system library path", found))
+    return paths
+
+
+def _status_check(result, func, args):
+    """errcheck of every function returning rp_status."""
+    if result != 0:
+        message = _LIB.rp_last_error_message()
+        message = message.decode("utf-8", "replace") if message else ""
+        raise RoundPipeError(result, message or "%s failed" % func.__name__)
+    return result
+
+
+def _declare(cdll):
+    """Set argtypes/restype/errcheck of every function of roundpipe.h on `cdll`."""
+
+    def fn(name, restype, argtypes):
+        f = getattr(cdll, name)
+        f.argtypes = argtypes
+        if restype is st:
+            f.restype = c_int
+            f.errcheck = _status_check
+        else:
+            f.restype = restype
+        return f
+
+    P = POINTER
+    st = _STATUS  # rp_status: c_int checked by _status_check
+
+    # -- status, errors, versions, logging ---------------------------------------------------
+    fn("rp_version", c_char_p, [])                                   # const char *rp_version(void);
+    fn("rp_abi_version", c_int32, [])                                # int32_t rp_abi_version(void);
+    fn("rp_status_string", c_char_p, [c_int])                        # const char *rp_status_string(rp_status status);
+    fn("rp_last_error_message", c_char_p, [])                        # const char *rp_last_error_message(void);
+    fn("rp_set_log_callback", st, [rp_log_fn, c_int32, c_void_p])    # rp_status rp_set_log_callback(rp_log_fn fn, int32_t min_level, void *user_data);
+    fn("rp_cuda_device_count", st, [P(c_int32)])                     # rp_status rp_cuda_device_count(int32_t *out_count);
+
+    # -- run configuration ---------------------------------------------------------------------
+    fn("rp_run_config_create", st, [P(rp_run_config_p)])             # rp_status rp_run_config_create(rp_run_config **out_config);
+    fn("rp_run_config_destroy", None, [rp_run_config_p])             # void rp_run_config_destroy(rp_run_config *config);
+    fn("rp_run_config_set_num_microbatch", st,
+       [rp_run_config_p, c_int32])                                   # rp_status rp_run_config_set_num_microbatch(rp_run_config *config, int32_t num_microbatch);
+    fn("rp_run_config_set_recompute_grain", st,
+       [rp_run_config_p, c_int32])                                   # rp_status rp_run_config_set_recompute_grain(rp_run_config *config, int32_t grain);
+    fn("rp_run_config_set_output_device", st,
+       [rp_run_config_p, c_int32, c_int32])                          # rp_status rp_run_config_set_output_device(rp_run_config *config, int32_t device_type, int32_t device_id);
+    fn("rp_run_config_set_input_split_dim", st,
+       [rp_run_config_p, c_int32, c_int32])                          # rp_status rp_run_config_set_input_split_dim(rp_run_config *config, int32_t input_index, int32_t dim);
+    fn("rp_run_config_set_label_split_dim", st,
+       [rp_run_config_p, c_int32])                                   # rp_status rp_run_config_set_label_split_dim(rp_run_config *config, int32_t dim);
+    fn("rp_run_config_set_split_callback", st,
+       [rp_run_config_p, rp_split_fn, c_void_p])                     # rp_status rp_run_config_set_split_callback(rp_run_config *config, rp_split_fn fn, void *user_data);
+    fn("rp_run_config_set_merge_output", st,
+       [rp_run_config_p, c_int32])                                   # rp_status rp_run_config_set_merge_output(rp_run_config *config, int32_t merge);
+
+    # -- model options and model lifetime ------------------------------------------------------
+    fn("rp_model_options_create", st, [P(rp_model_options_p)])       # rp_status rp_model_options_create(rp_model_options **out_options);
+    fn("rp_model_options_destroy", None, [rp_model_options_p])       # void rp_model_options_destroy(rp_model_options *options);
+    fn("rp_model_options_set_model_dtype", st,
+       [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_model_dtype(rp_model_options *options, int32_t dtype);
+    fn("rp_model_options_set_optim_dtype", st,
+       [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_optim_dtype(rp_model_options *options, int32_t dtype);
+    fn("rp_model_options_set_pin_mode", st,
+       [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode);
+    fn("rp_model_options_set_run_config", st,
+       [rp_model_options_p, rp_run_config_p])                        # rp_status rp_model_options_set_run_config(rp_model_options *options, const rp_run_config *config);
+    fn("rp_model_options_set_seed", st,
+       [rp_model_options_p, c_uint64])                               # rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
+    fn("rp_model_options_set_name", st,
+       [rp_model_options_p, c_char_p])                               # rp_status rp_model_options_set_name(rp_model_options *options, const char *name);
+    fn("rp_model_options_set_devices", st,
+       [rp_model_options_p, c_int32, c_int32])                       # rp_status rp_model_options_set_devices(rp_model_options *options, int32_t kind, int32_t num_devices);
+    fn("rp_model_options_set_stage_plan", st,
+       [rp_model_options_p, P(c_int32), c_size_t])                   # rp_status rp_model_options_set_stage_plan(rp_model_options *options, const int32_t *layers_per_stage, size_t n);
+    fn("rp_model_create", st,
+       [P(rp_model_p), c_char_p, rp_model_options_p])                # rp_status rp_model_create(rp_model **out_model, const char *spec_json, const rp_model_options *options);
+    fn("rp_model_destroy", None, [rp_model_p])                       # void rp_model_destroy(rp_model *model);
+    fn("rp_model_num_layers", st, [P(c_int32), rp_model_p])          # rp_status rp_model_num_layers(int32_t *out_count, const rp_model *model);
+    fn("rp_model_num_stages", st, [P(c_int32), rp_model_p])          # rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
+    fn("rp_model_num_devices", st, [P(c_int32), rp_model_p])         # rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
+    fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
+
+    # -- tensor lists --------------------------------------------------------------------------
+    fn("rp_tensor_list_size", st, [P(c_size_t), rp_tensor_list_p])   # rp_status rp_tensor_list_size(size_t *out_size, const rp_tensor_list *list);
+    fn("rp_tensor_list_get", st,
+       [P(c_void_p), rp_tensor_list_p, c_size_t])                    # rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tensor_list *list, size_t index);
+    fn("rp_tensor_list_destroy", None, [rp_tensor_list_p])           # void rp_tensor_list_destroy(rp_tensor_list *list);
+
+    # -- losses --------------------------------------------------------------------------------
+    fn("rp_loss_create", st, [P(rp_loss_p), c_int32])                # rp_status rp_loss_create(rp_loss **out_loss, int32_t kind);
+    fn("rp_loss_create_callback", st,
+       [P(rp_loss_p), rp_loss_fn, c_void_p])                         # rp_status rp_loss_create_callback(rp_loss **out_loss, rp_loss_fn fn, void *user_data);
+    fn("rp_loss_set_scale", st, [rp_loss_p, c_double])               # rp_status rp_loss_set_scale(rp_loss *loss, double scale);
+    fn("rp_loss_destroy", None, [rp_loss_p])                         # void rp_loss_destroy(rp_loss *loss);
+
+    # -- forward and fused forward + backward --------------------------------------------------
+    fn("rp_forward", st,
+       [P(rp_tensor_list_p), rp_model_p, P(c_void_p), c_size_t,
+        rp_run_config_p])                                            # rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const rp_run_config *config);
+    fn("rp_forward_backward", st,
+       [P(c_double), P(rp_tensor_list_p), rp_model_p, P(c_void_p), c_size_t, c_void_p,
+        rp_loss_p, rp_run_config_p])                                 # rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const DLManagedTensor *labels, const rp_loss *loss, const rp_run_config *config);
+
+    # -- optimizer -----------------------------------------------------------------------------
+    fn("rp_optimizer_create", st, [P(rp_optimizer_p), c_int32])      # rp_status rp_optimizer_create(rp_optimizer **out_optimizer, int32_t kind);
+    fn("rp_optimizer_destroy", None, [rp_optimizer_p])               # void rp_optimizer_destroy(rp_optimizer *optimizer);
+    fn("rp_optimizer_set_learning_rate", st,
+       [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_learning_rate(rp_optimizer *optimizer, double lr);
+    fn("rp_optimizer_set_betas", st,
+       [rp_optimizer_p, c_double, c_double])                         # rp_status rp_optimizer_set_betas(rp_optimizer *optimizer, double beta1, double beta2);
+    fn("rp_optimizer_set_eps", st, [rp_optimizer_p, c_double])       # rp_status rp_optimizer_set_eps(rp_optimizer *optimizer, double eps);
+    fn("rp_optimizer_set_weight_decay", st,
+       [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double weight_decay);
+    fn("rp_optimizer_set_momentum", st,
+       [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum);
+    fn("rp_step", st, [rp_model_p, rp_optimizer_p, c_int32])         # rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
+    fn("rp_step_callback", st,
+       [rp_model_p, rp_step_fn, c_void_p, c_int32])                  # rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int32_t is_async);
+    fn("rp_synchronize", st, [rp_model_p])                           # rp_status rp_synchronize(rp_model *model);
+    fn("rp_zero_grad", st, [rp_model_p])                             # rp_status rp_zero_grad(rp_model *model);
+
+    # -- parameters ----------------------------------------------------------------------------
+    # The model argument is c_void_p here (not rp_model_p): step callbacks receive the model as
+    # a bare pointer and call these on it.
+    fn("rp_param_count", st, [P(c_size_t), c_void_p])                # rp_status rp_param_count(size_t *out_count, const rp_model *model);
+    fn("rp_param_name", st, [P(c_char_p), c_void_p, c_size_t])       # rp_status rp_param_name(const char **out_name, const rp_model *model, size_t index);
+    fn("rp_param_find", st, [P(c_size_t), c_void_p, c_char_p])       # rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *name);
+    fn("rp_param_shape", st,
+       [P(c_int64), P(c_int32), c_int32, c_void_p, c_size_t])        # rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity, const rp_model *model, size_t index);
+    fn("rp_param_master", st, [P(c_void_p), c_void_p, c_size_t])     # rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t index);
+    fn("rp_param_grad", st, [P(c_void_p), c_void_p, c_size_t])       # rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t index);
+
+    # -- weights on disk -----------------------------------------------------------------------
+    fn("rp_model_save", st, [rp_model_p, c_char_p])                  # rp_status rp_model_save(rp_model *model, const char *path);
+    fn("rp_model_load", st, [rp_model_p, c_char_p])                  # rp_status rp_model_load(rp_model *model, const char *path);
+
+
+# Marker for "returns rp_status" in _declare (c_int32 is c_int, so the type cannot tell).
+_STATUS = object()
+
+_LIB = None
+_LIB_PATH = None
+_LOCK = threading.Lock()
+
+
+def lib():
+    """The loaded, declared library (loaded on first call)."""
+    if _LIB is None:
+        load_library()
+    return _LIB
+
+
+def load_library(path=None):
+    """Load libroundpipe (from `path` if given, else from the search order in this module's
+    docstring), check its ABI version and return its path. Idempotent: once a library is
+    loaded, later calls return its path."""
+    global _LIB, _LIB_PATH
+    with _LOCK:
+        if _LIB is not None:
+            return _LIB_PATH
+        candidates = [("argument", os.fspath(path))] if path is not None else candidate_paths()
+        tried = []
+        for origin, candidate in candidates:
+            is_bare_name = os.sep not in candidate
+            if not is_bare_name and not os.path.exists(candidate):
+                tried.append("  %s (%s): no such file" % (candidate, origin))
+                continue
+            try:
+                cdll = ctypes.CDLL(candidate)
+            except OSError as exc:
+                tried.append("  %s (%s): %s" % (candidate, origin, exc))
+                continue
+            missing = [n for n in ("rp_abi_version", "rp_model_create") if not hasattr(cdll, n)]
+            if missing:
+                tried.append("  %s (%s): not libroundpipe (no %s)"
+                             % (candidate, origin, ", ".join(missing)))
+                continue
+            cdll.rp_abi_version.restype = c_int32
+            cdll.rp_abi_version.argtypes = []
+            abi = cdll.rp_abi_version()
+            if abi != ABI_VERSION:
+                raise LibraryNotFoundError(
+                    "%s has ABI version %d, this binding needs %d; rebuild the library or "
+                    "install the matching binding" % (candidate, abi, ABI_VERSION))
+            try:
+                _declare(cdll)
+            except AttributeError as exc:
+                raise LibraryNotFoundError("%s lacks a function of roundpipe.h: %s"
+                                           % (candidate, exc)) from None
+            _LIB = cdll
+            _LIB_PATH = candidate
+            return candidate
+        raise LibraryNotFoundError(
+            "cannot load libroundpipe.so; set ROUNDPIPE_LIBRARY to its path. Tried:\n"
+            + "\n".join(tried))
+
+
+def library_path():
+    """Path of the loaded library (loading it if needed)."""
+    lib()
+    return _LIB_PATH
+
+
+def status_string(status):
+    """The library's name for an rp_status."""
+    s = lib().rp_status_string(int(status))
+    return s.decode() if s else ""
+
+
+def raise_status(status, message):
+    """Raise the binding's own RoundPipeError (for checks made on the Python side)."""
+    raise RoundPipeError(status, message)
+
+
+__all__ = ["lib", "load_library", "library_path", "candidate_paths", "ABI_VERSION", "Status"]

@@ -1,0 +1,162 @@
+"""From what upstream users hand to RoundPipe (an ``nn.Module``, a Hugging Face model) to what
+the engine takes (a JSON layer spec plus weights)."""
+
+import json
+import math
+import os
+
+import torch
+from torch import nn
+
+from .errors import RoundPipeUnsupportedError
+
+SUPPORTED_MODULES = (
+    "nn.Linear, nn.Embedding (no padding_idx/max_norm/sparse), nn.LayerNorm (1-d, affine with "
+    "bias), nn.RMSNorm (1-d, affine), nn.ReLU, nn.SiLU, nn.Tanh, nn.GELU, nn.Dropout, "
+    "nn.Flatten (end_dim=-1), nn.Identity (dropped), and nested nn.Sequential of these")
+
+SUPPORTED_INPUTS = (
+    "a JSON layer spec (dict, list of layer dicts, JSON text, or path of a .json file), or an "
+    "nn.Sequential (or single module) built from: " + SUPPORTED_MODULES)
+
+HF_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+
+
+def _unsupported_hf(what):
+    return RoundPipeUnsupportedError(
+        "%s: Hugging Face models (%s) are not supported by this libroundpipe yet: its C API has "
+        "no transformer decoder layer and no Hugging Face loader (roundpipe.h ABI %d). "
+        "Supported now: %s." % (what, ", ".join(HF_ARCHITECTURES), 1, SUPPORTED_INPUTS))
+
+
+class ConvertedModule:
+    """Result of converting a module: the spec, and (engine name, source parameter, module
+    name) for every parameter, in the engine's order."""
+
+    def __init__(self, spec, params, dtype):
+        self.spec = spec
+        self.params = params
+        self.dtype = dtype
+
+
+def _flatten(module, prefix):
+    """(qualified name, leaf module) for every leaf of nested Sequentials."""
+    if isinstance(module, nn.Sequential):
+        for name, child in module.named_children():
+            yield from _flatten(child, prefix + name + ".")
+    else:
+        yield prefix[:-1] if prefix else "", module
+
+
+def _layer_spec(name, m):
+    """(layer dict or None to drop, [(layer param name, module param name)])."""
+    where = "module %r (%s)" % (name or "<root>", type(m).__name__)
+
+    def refuse(why):
+        raise RoundPipeUnsupportedError("%s: %s. Supported: %s." % (where, why, SUPPORTED_MODULES))
+
+    if isinstance(m, nn.Linear):
+        spec = {"type": "linear", "in": m.in_features, "out": m.out_features,
+                "bias": m.bias is not None}
+        return spec, [("weight", "weight")] + ([("bias", "bias")] if m.bias is not None else [])
+    if isinstance(m, nn.Embedding):
+        if m.padding_idx is not None or m.max_norm is not None or m.sparse:
+            refuse("padding_idx, max_norm and sparse are not supported")
+        return {"type": "embedding", "num": m.num_embeddings, "dim": m.embedding_dim}, \
+            [("weight", "weight")]
+    if isinstance(m, nn.LayerNorm):
+        if len(m.normalized_shape) != 1:
+            refuse("only a 1-d normalized_shape is supported")
+        if not m.elementwise_affine or m.bias is None:
+            refuse("only elementwise_affine=True with bias is supported")
+        return {"type": "layer_norm", "dim": m.normalized_shape[0], "eps": float(m.eps)}, \
+            [("weight", "weight"), ("bias", "bias")]
+    if hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm):
+        if len(m.normalized_shape) != 1:
+            refuse("only a 1-d normalized_shape is supported")
+        if not m.elementwise_affine:
+            refuse("only elementwise_affine=True is supported")
+        # eps=None means the float32 machine epsilon in torch (weights computed in fp32 here).
+        eps = m.eps if m.eps is not None else torch.finfo(torch.float32).eps
+        return {"type": "rms_norm", "dim": m.normalized_shape[0], "eps": float(eps)}, \
+            [("weight", "weight")]
+    for cls, typ in ((nn.ReLU, "relu"), (nn.SiLU, "silu"), (nn.Tanh, "tanh")):
+        if type(m) is cls:
+            return {"type": typ}, []
+    if type(m) is nn.GELU:
+        return {"type": "gelu", "approximate": m.approximate}, []
+    if type(m) is nn.Dropout:
+        if not 0.0 <= m.p < 1.0:
+            refuse("p must be in [0, 1)")
+        return {"type": "dropout", "p": float(m.p)}, []
+    if type(m) is nn.Flatten:
+        if m.end_dim != -1:
+            refuse("only end_dim=-1 is supported")
+        if m.start_dim < 1:
+            refuse("start_dim must be >= 1 (the batch dimension stays)")
+        return {"type": "flatten", "start_dim": m.start_dim}, []
+    if type(m) is nn.Identity:
+        return None, []
+    if type(m).__name__ in HF_ARCHITECTURES:
+        raise _unsupported_hf(where)
+    refuse("this module type has no engine layer")
+
+
+def convert_module(module):
+    """Convert an nn.Sequential (or one supported module) to a spec and its weights."""
+    if not isinstance(module, nn.Module):
+        raise TypeError("expected an nn.Module, got %r" % type(module).__name__)
+    if type(module).__name__ in HF_ARCHITECTURES:
+        raise _unsupported_hf(type(module).__name__)
+    layers, params = [], []
+    dtypes = set()
+    for qual, leaf in _flatten(module, ""):
+        spec, names = _layer_spec(qual, leaf)
+        if spec is None:
+            continue
+        index = len(layers)
+        layers.append(spec)
+        for layer_name, module_name in names:
+            p = getattr(leaf, module_name)
+            dtypes.add(p.dtype)
+            full = "%s.%s" % (qual, module_name) if qual else module_name
+            params.append(("%d.%s" % (index, layer_name), p, full))
+    if not layers:
+        raise RoundPipeUnsupportedError("the module has no layer the engine can run. Supported: "
+                                        + SUPPORTED_MODULES)
+    dtype = dtypes.pop() if len(dtypes) == 1 else (torch.float32 if not dtypes else None)
+    if dtype is None:
+        raise RoundPipeUnsupportedError("the module mixes parameter dtypes (%s); convert it to "
+                                        "one dtype first" % ", ".join(sorted(map(str, dtypes))))
+    return ConvertedModule({"layers": layers}, params, dtype)
+
+
+def resolve_model(model):
+    """(spec JSON text, ConvertedModule or None) for what RoundPipe() was given."""
+    if isinstance(model, nn.Module):
+        converted = convert_module(model)
+        return json.dumps(converted.spec), converted
+    if isinstance(model, dict):
+        return json.dumps(model), None
+    if isinstance(model, (list, tuple)):
+        return json.dumps({"layers": list(model)}), None
+    if isinstance(model, (str, bytes, os.PathLike)):
+        text = os.fsdecode(model) if not isinstance(model, str) else model
+        if text.lstrip().startswith("{"):
+            return text, None
+        if os.path.isdir(text):
+            if os.path.exists(os.path.join(text, "config.json")):
+                raise _unsupported_hf("model directory %r" % text)
+            raise RoundPipeUnsupportedError("%r is a directory without config.json. Supported: %s."
+                                            % (text, SUPPORTED_INPUTS))
+        if os.path.isfile(text):
+            with open(text, "r", encoding="utf-8") as f:
+                return f.read(), None
+        raise RoundPipeUnsupportedError("%r is neither JSON text nor an existing file or "
+                                        "directory. Supported: %s." % (text, SUPPORTED_INPUTS))
+    raise RoundPipeUnsupportedError("cannot build a RoundPipe model from %s. Supported: %s."
+                                    % (type(model).__name__, SUPPORTED_INPUTS))
+
+
+def is_finite_number(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,771 @@
+"""RoundPipe: upstream's model API over libroundpipe."""
+
+import atexit
+import ctypes
+import functools
+import json
+import os
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from ctypes import byref, c_char_p, c_double, c_int32, c_int64, c_size_t, c_void_p
+
+import torch
+from torch import nn
+
+from . import _capi
+from ._callbacks import (LOSS_TRAMPOLINE, SPLIT_TRAMPOLINE, STEP_TRAMPOLINE, LossCall, SplitCall,
+                         StepCall, registry)
+from ._capi import lib
+from ._dlpack import BorrowedInputs, from_owned
+from .config import (RoundPipeRunConfig, _is_chunk_spec, _is_reducer, _is_replicate,
+                     leaf_split_dim)
+from .convert import resolve_model
+from .errors import RoundPipeError, Status
+from .optim import BuiltinOptimizer
+
+_DTYPES = {
+    torch.float32: _capi.RP_DTYPE_F32,
+    torch.bfloat16: _capi.RP_DTYPE_BF16,
+    torch.float16: _capi.RP_DTYPE_F16,
+}
+_PIN_MODES = {"alloc": _capi.RP_PIN_ALLOC, "register": _capi.RP_PIN_REGISTER,
+              "off": _capi.RP_PIN_OFF}
+_DEVICE_KINDS = {"auto": _capi.RP_DEVICE_AUTO, "cpu": _capi.RP_DEVICE_CPU,
+                 "cuda": _capi.RP_DEVICE_CUDA}
+_LOSSES = {"output": _capi.RP_LOSS_OUTPUT, "mse": _capi.RP_LOSS_MSE,
+           "cross_entropy": _capi.RP_LOSS_CROSS_ENTROPY}
+
+
+class BuiltinLoss:
+    """A loss computed inside the engine (no Python per microbatch): ``"output"`` (the model's
+    output is the loss), ``"mse"`` (mean squared error against float labels of the output's
+    shape) or ``"cross_entropy"`` (mean cross entropy of logits [N, C] against int64 labels
+    [N]); each computed per microbatch and multiplied by `scale` (use
+    ``scale=1/num_microbatch`` for the mean over the whole batch). A string works too:
+    ``loss_fn="mse"`` is ``BuiltinLoss("mse")``."""
+
+    def __init__(self, kind, scale=1.0):
+        if kind not in _LOSSES:
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "unknown built-in loss %r; one of %s"
+                                 % (kind, ", ".join(sorted(_LOSSES))))
+        self.kind = kind
+        self.scale = float(scale)
+
+    def __repr__(self):
+        return "BuiltinLoss(%r, scale=%g)" % (self.kind, self.scale)
+
+
+class RoundPipePackedData(list):
+    """Per-microbatch outputs (``merge_output=False``). A list; ``synchronize()`` is there for
+    upstream compatibility and does nothing (outputs are complete when the call returns)."""
+
+    def synchronize(self):
+        return self
+
+
+def _parse_devices(devices):
+    """(rp_device_kind, count) or None for the engine's default."""
+    if devices is None:
+        return None
+    if isinstance(devices, bool):
+        raise TypeError("devices must be a kind, a count or (kind, count)")
+    if isinstance(devices, int):
+        return (_capi.RP_DEVICE_AUTO, devices)
+    if isinstance(devices, str):
+        devices = (devices, 0)
+    try:
+        kind, count = devices
+    except (TypeError, ValueError):
+        raise TypeError('devices must be "auto", "cpu", "cuda", an int, or (kind, count); got %r'
+                        % (devices,)) from None
+    if kind not in _DEVICE_KINDS:
+        raise RoundPipeError(Status.INVALID_ARGUMENT, 'device kind must be "auto", "cpu" or '
+                             '"cuda", got %r' % (kind,))
+    return (_DEVICE_KINDS[kind], int(count))
+
+
+def _call_site_name():
+    """Upstream's default name: "file.py:line" of the code that built the model."""
+    frame = sys._getframe(1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.dirname(os.path.abspath(
+            frame.f_code.co_filename)) == here:
+        frame = frame.f_back
+    if frame is None:
+        return "roundpipe"
+    return "%s:%d" % (os.path.basename(frame.f_code.co_filename), frame.f_lineno)
+
+
+def _as_input(x, where):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (bool, int, float)):
+        return torch.tensor(x)
+    raise TypeError("%s: inputs must be tensors or Python numbers, got %s"
+                    % (where, type(x).__name__))
+
+
+class _Params:
+    """The optimizer-facing parameters of one model: torch Parameters over the engine's master
+    weights, whose .grad is wired to the engine's gradients (inside a step function: that
+    step's gradients; after synchronize(): the accumulated ones)."""
+
+    def __init__(self, model_ptr):
+        self.model_ptr = model_ptr
+        self.items = None
+        self.lock = threading.Lock()
+        self.sync_grads = False  # grads attached by synchronize() (no step can be running)
+        self.step_exc = None
+
+    def build(self, model_ptr=None):
+        with self.lock:
+            if self.items is not None:
+                return self.items
+            L = lib()
+            ptr = model_ptr or self.model_ptr
+            count = c_size_t()
+            L.rp_param_count(byref(count), ptr)
+            items = []
+            for i in range(count.value):
+                name = c_char_p()
+                L.rp_param_name(byref(name), ptr, i)
+                out = c_void_p()
+                L.rp_param_master(byref(out), ptr, i)
+                master = from_owned(out.value)
+                items.append((name.value.decode(), nn.Parameter(master, requires_grad=True)))
+            self.items = items
+            return items
+
+    def attach_grads(self, model_ptr):
+        """.grad of every parameter := a fresh view of the engine's gradient."""
+        L = lib()
+        for i, (_, p) in enumerate(self.build(model_ptr)):
+            out = c_void_p()
+            L.rp_param_grad(byref(out), model_ptr, i)
+            grad = from_owned(out.value)
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    def detach_grads(self):
+        if self.items is not None:
+            for _, p in self.items:
+                p.grad = None
+
+    def record_step_exception(self, exc):
+        if self.step_exc is None:
+            self.step_exc = exc
+
+
+_live_models = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_models():
+    # Before the interpreter tears down: a model draining at finalization could wait for a
+    # Python step function that can no longer take the GIL.
+    for model in list(_live_models):
+        try:
+            model.close()
+        except Exception:
+            pass
+
+
+class RoundPipe:
+    """A model trained by the RoundPipe engine.
+
+    Args:
+        model: what to run: a JSON layer spec (dict, list of layer dicts, JSON text or path of a
+            .json file; see docs/semantics.md), or an ``nn.Sequential`` of supported modules
+            (its weights are copied). Hugging Face model directories are recognised and refused
+            with a RoundPipeUnsupportedError until the engine has transformer layers.
+        optim_dtype: dtype of master weights and optimizer state (torch.float32 (default),
+            torch.bfloat16 or torch.float16).
+        name: shown in logs; default "file.py:line" of the caller.
+        model_run_config: model-level RoundPipeRunConfig.
+        pin_model: "alloc" (default), "register" or "off": how host weights are pinned.
+        model_dtype: dtype the devices compute with (default: the module's parameter dtype,
+            or float32 for a spec).
+        devices: which workers run the stages: "auto" (default: every GPU, else one CPU
+            worker), "cpu", "cuda", an int count, or (kind, count) such as ("cpu", 2) for two
+            CPU worker devices.
+        seed: seed of weight initialisation and dropout (default 0).
+        stage_plan: explicit list of layers per stage (default: automatic).
+    """
+
+    def __init__(self, model, optim_dtype=None, name=None, model_run_config=None,
+                 pin_model="alloc", *, model_dtype=None, devices=None, seed=None,
+                 stage_plan=None):
+        self._handle = None  # first: close() and __del__ must work if __init__ fails
+        self._params = None
+        if name is None:
+            name = _call_site_name()
+        if model_run_config is None:
+            model_run_config = RoundPipeRunConfig()
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError("model_run_config must be a RoundPipeRunConfig")
+        if pin_model not in _PIN_MODES:
+            raise RoundPipeError(Status.INVALID_ARGUMENT, 'pin_model must be "alloc", '
+                                 '"register" or "off", got %r' % (pin_model,))
+        spec_json, converted = resolve_model(model)
+        if model_dtype is None and converted is not None:
+            model_dtype = converted.dtype
+        for what, dt in (("model_dtype", model_dtype), ("optim_dtype", optim_dtype)):
+            if dt is not None and dt not in _DTYPES:
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "%s must be torch.float32, "
+                                     "torch.bfloat16 or torch.float16, got %s" % (what, dt))
+        devs = _parse_devices(devices)
+
+        L = lib()
+        options = _capi.rp_model_options_p()
+        L.rp_model_options_create(byref(options))
+        c_config = None
+        try:
+            if model_dtype is not None:
+                L.rp_model_options_set_model_dtype(options, _DTYPES[model_dtype])
+            if optim_dtype is not None:
+                L.rp_model_options_set_optim_dtype(options, _DTYPES[optim_dtype])
+            L.rp_model_options_set_pin_mode(options, _PIN_MODES[pin_model])
+            if seed is not None:
+                L.rp_model_options_set_seed(options, int(seed))
+            L.rp_model_options_set_name(options, str(name).encode())
+            if devs is not None:
+                L.rp_model_options_set_devices(options, devs[0], devs[1])
+            if stage_plan is not None:
+                plan = [int(n) for n in stage_plan]
+                L.rp_model_options_set_stage_plan(options, (c_int32 * max(1, len(plan)))(*plan),
+                                                  len(plan))
+            # The engine gets the model-level fields it understands; the binding applies the
+            # Python-only ones (callables, nested specs) itself at every call.
+            c_config = RoundPipeRunConfig(
+                num_microbatch=model_run_config.num_microbatch,
+                recompute_grain=model_run_config.recompute_grain,
+                output_device=model_run_config.output_device).build_c()
+            L.rp_model_options_set_run_config(options, c_config)
+            handle = _capi.rp_model_p()
+            L.rp_model_create(byref(handle), spec_json.encode(), options)
+        finally:
+            if c_config is not None:
+                L.rp_run_config_destroy(c_config)
+            L.rp_model_options_destroy(options)
+        self._handle = handle
+        self._name = str(name)
+        self._run_config = model_run_config
+        self._params = _Params(handle.value)
+        count = c_int32()
+        L.rp_model_num_devices(byref(count), handle)
+        self._num_devices = count.value
+        self.training = True
+        self.model = model if isinstance(model, nn.Module) else None
+        self._original_model = self.model
+        _live_models.add(self)
+        if converted is not None:
+            self._copy_in([(engine_name, p) for engine_name, p, _ in converted.params])
+            self._module_names = {engine_name: mod_name
+                                  for engine_name, _, mod_name in converted.params}
+        else:
+            self._module_names = None
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def handle(self):
+        """The ``rp_model *`` (ctypes); RoundPipeError once closed."""
+        if self._handle is None:
+            raise RoundPipeError(Status.STATE, "this RoundPipe model was closed")
+        return self._handle
+
+    def close(self):
+        """Destroy the engine model (waits for work in flight). Idempotent. Parameters taken
+        before stay valid tensors."""
+        handle, self._handle = self._handle, None
+        if handle is not None and handle.value:
+            lib().rp_model_destroy(handle)
+            _live_models.discard(self)
+
+    @property
+    def closed(self):
+        return self._handle is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        if self._handle is None:
+            return "<RoundPipe %r (closed)>" % getattr(self, "_name", "?")
+        return "<RoundPipe %r: %d layers, %d stages, %d devices>" % (
+            self._name, self.num_layers, self.num_stages, self.num_devices)
+
+    def __getattr__(self, name):
+        # Upstream forwards unknown attributes to the original model (e.g. `config`).
+        if name.startswith("_"):
+            raise AttributeError(name)
+        target = self.__dict__.get("_original_model")
+        if target is None:
+            raise AttributeError("'RoundPipe' object has no attribute %r" % name)
+        return getattr(target, name)
+
+    def set_original_model(self, original_model):
+        """Attributes RoundPipe does not have are looked up on `original_model`."""
+        self._original_model = original_model
+
+    # -- facts --------------------------------------------------------------------------------
+
+    def _count(self, fn, ctype=c_int32):
+        out = ctype()
+        fn(byref(out), self.handle)
+        return out.value
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def num_layers(self):
+        return self._count(lib().rp_model_num_layers)
+
+    @property
+    def num_stages(self):
+        return self._count(lib().rp_model_num_stages)
+
+    @property
+    def num_devices(self):
+        return self._count(lib().rp_model_num_devices)
+
+    @property
+    def step_count(self):
+        """Optimizer steps enqueued so far."""
+        return self._count(lib().rp_model_step_count, c_int64)
+
+    @property
+    def model_run_config(self):
+        return self._run_config
+
+    def train(self, mode=True):
+        """For upstream compatibility: forward() always runs in evaluation mode (dropout off),
+        forward_backward() in training mode."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def _inputs(self, args, kwargs, cfg):
+        """(tensors, per-input split dims, SplitCall or None) for one call."""
+        args = tuple(args)
+        kwargs = dict(kwargs or {})
+        keys = list(kwargs)
+
+        def flatten(a, k):
+            a = tuple(a)
+            k = dict(k or {})
+            if len(a) != len(args) or list(k) != keys:
+                raise ValueError("a microbatch must have the call's structure: %d positional "
+                                 "arguments and keywords %s" % (len(args), keys))
+            return [_as_input(x, "argument %d" % i) for i, x in enumerate(a)] + \
+                [_as_input(k[key], "keyword %r" % key) for key in keys]
+
+        tensors = flatten(args, kwargs)
+        if not tensors:
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "the model needs at least one input")
+        spec = cfg.split_input
+        dims = None
+        split_call = None
+        if spec is None:
+            pass
+        elif callable(spec) and not _is_chunk_spec(spec) and not _is_replicate(spec):
+            split_call = SplitCall(spec, args, kwargs, flatten)
+        elif (isinstance(spec, (tuple, list)) and len(spec) == 2
+              and (spec[0] is None or isinstance(spec[0], (tuple, list)))
+              and (spec[1] is None or isinstance(spec[1], dict))):
+            args_spec = tuple(spec[0]) if spec[0] is not None else (None,) * len(args)
+            kwargs_spec = spec[1] or {}
+            if len(args_spec) != len(args):
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "split_input has %d args specs for "
+                                     "%d positional arguments" % (len(args_spec), len(args)))
+            unknown = set(kwargs_spec) - set(keys)
+            if unknown:
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "split_input names keywords the "
+                                     "call does not have: %s" % sorted(unknown))
+            dims = [leaf_split_dim(s, "split_input args[%d]" % i) for i, s in enumerate(args_spec)]
+            dims += [leaf_split_dim(kwargs_spec.get(k), "split_input kwargs[%r]" % k)
+                     for k in keys]
+        elif isinstance(spec, (tuple, list)):
+            if len(spec) != len(tensors):
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "split_input has %d specs for %d "
+                                     "inputs" % (len(spec), len(tensors)))
+            dims = [leaf_split_dim(s, "split_input[%d]" % i) for i, s in enumerate(spec)]
+        else:
+            dim = leaf_split_dim(spec, "split_input")
+            dims = [dim] * len(tensors)
+        return tensors, dims, split_call
+
+    def _num_microbatch(self, cfg):
+        return cfg.num_microbatch if cfg.num_microbatch is not None else self._num_devices + 1
+
+    def _outputs(self, out_list, cfg):
+        """Torch tensors from an rp_tensor_list (which this destroys), merged as `cfg` says."""
+        L = lib()
+        try:
+            size = c_size_t()
+            L.rp_tensor_list_size(byref(size), out_list)
+            tensors = []
+            for i in range(size.value):
+                ptr = c_void_p()
+                L.rp_tensor_list_get(byref(ptr), out_list, i)
+                tensors.append(from_owned(ptr.value))
+        finally:
+            L.rp_tensor_list_destroy(out_list)
+        merge = cfg.merge_output
+        if merge is None or merge is True:
+            return tensors[0] if len(tensors) == 1 else tensors
+        if merge is False:
+            return RoundPipePackedData(tensors)
+        if _is_reducer(merge):
+            return functools.reduce(merge.reduce_fn, tensors, merge.init_value)
+        if _is_chunk_spec(merge):
+            return torch.cat(tensors, dim=merge.split_dim)
+        if callable(merge):
+            return merge(tensors)
+        raise TypeError("merge_output must be None, a bool, TensorChunkSpec, _CustomReducer or a "
+                        "function; got %r" % (merge,))
+
+    @staticmethod
+    def _raise_call_failure(failure, *calls):
+        """Raise the user's own exception when a callback of the call failed, else `failure`."""
+        if failure.status == Status.CALLBACK:
+            for call in calls:
+                exc = getattr(call, "exc", None) if call is not None else None
+                if exc is not None:
+                    call.exc = None
+                    raise exc
+        raise failure
+
+    def forward(self, *args, roundpipe_run_config=None, **kwargs):
+        """Inference: split the inputs into microbatches, run them through the pipeline on the
+        published weights without gradients (dropout off), merge the outputs."""
+        cfg = self._run_config.overridden_by(roundpipe_run_config)
+        tensors, dims, split_call = self._inputs(args, kwargs, cfg)
+        L = lib()
+        key = registry.add(split_call) if split_call is not None else None
+        c_config = cfg.build_c(dims, None, (SPLIT_TRAMPOLINE, key) if key else None)
+        failure = None
+        out_list = _capi.rp_tensor_list_p()
+        try:
+            inputs = BorrowedInputs(tensors)
+            L.rp_forward(byref(out_list), self.handle, inputs.array, inputs.count, c_config)
+        except RoundPipeError as err:
+            failure = err
+        finally:
+            L.rp_run_config_destroy(c_config)
+            if key is not None:
+                registry.pop(key)
+        if failure is not None:
+            self._raise_call_failure(failure, split_call)
+        return self._outputs(out_list, cfg)
+
+    __call__ = forward
+
+    def _split_label(self, label, spec, n):
+        """Per-microbatch labels for a Python loss_fn, after upstream's rules."""
+        if spec is not None and callable(spec) and not _is_chunk_spec(spec) \
+                and not _is_replicate(spec):
+            pieces = list(spec(label, n))
+            if len(pieces) != n:
+                raise ValueError("split_label function returned %d pieces for %d microbatches"
+                                 % (len(pieces), n))
+            return pieces
+        if isinstance(label, torch.Tensor):
+            dim = leaf_split_dim(spec, "split_label") if not isinstance(spec, (tuple, list, dict)) \
+                else _bad_label_spec(spec)
+            if dim == _capi.RP_SPLIT_REPLICATE or (dim is None and label.dim() == 0):
+                return [label] * n
+            dim = dim or 0
+            if dim >= label.dim() or label.shape[dim] < n:
+                raise RoundPipeError(
+                    Status.INVALID_ARGUMENT,
+                    "label of shape %s cannot be split into %d microbatches along dim %d"
+                    % (tuple(label.shape), n, dim))
+            return list(torch.tensor_split(label, n, dim))
+        if isinstance(label, (tuple, list)):
+            specs = spec if isinstance(spec, (tuple, list)) else [spec] * len(label)
+            if len(specs) != len(label):
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "split_label spec has %d entries "
+                                     "for a label of %d" % (len(specs), len(label)))
+            columns = [self._split_label(x, s, n) for x, s in zip(label, specs)]
+            return [type(label)(col[m] for col in columns) if isinstance(label, tuple) else
+                    [col[m] for col in columns] for m in range(n)]
+        if isinstance(label, dict):
+            specs = spec if isinstance(spec, dict) else {k: spec for k in label}
+            columns = {k: self._split_label(v, specs.get(k), n) for k, v in label.items()}
+            return [{k: columns[k][m] for k in label} for m in range(n)]
+        return [label] * n  # None and other objects go whole to every microbatch
+
+    def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=None,
+                         return_outputs=False, run_config=None):
+        """Training: forward, loss and backward of every microbatch in one pipelined pass.
+
+        Gradients are added to the accumulated gradients (consumed by the next step()).
+
+        Args:
+            input_args: positional inputs (a tuple; a single tensor is accepted too).
+            input_kwargs: keyword inputs (travel with the first input; the engine's layers
+                consume input 0).
+            label: labels, split like the inputs (see RoundPipeRunConfig.split_label).
+            loss_fn: None or "output" (the output is the loss), "mse", "cross_entropy", a
+                BuiltinLoss, or a Python callable ``loss_fn(outputs, labels) -> loss tensor``
+                (or a sequence of loss tensors) called once per microbatch with that
+                microbatch's outputs (a fresh fp32 CPU tensor) and labels; the binding
+                back-propagates through it with torch autograd. Exceptions it raises abort the
+                call and are re-raised here; the model stays usable and no gradient of the call
+                is kept.
+            return_outputs: also return the merged outputs.
+            run_config: per-call RoundPipeRunConfig.
+
+        Returns:
+            the sum of the microbatch losses (0-d float64 tensor), or (loss, outputs).
+        """
+        if isinstance(input_args, torch.Tensor):
+            input_args = (input_args,)
+        cfg = self._run_config.overridden_by(run_config)
+        tensors, dims, split_call = self._inputs(input_args, input_kwargs, cfg)
+        L = lib()
+
+        loss_call = None
+        label_tensor = None
+        label_dim = None
+        if loss_fn is None or isinstance(loss_fn, (str, BuiltinLoss)):
+            builtin = loss_fn if isinstance(loss_fn, BuiltinLoss) else BuiltinLoss(loss_fn or
+                                                                                    "output")
+            if label is not None:
+                if not isinstance(label, torch.Tensor):
+                    raise TypeError("with a built-in loss the label must be one tensor, got %s"
+                                    % type(label).__name__)
+                label_tensor = label
+                spec = cfg.split_label
+                if spec is not None and callable(spec) and not _is_chunk_spec(spec) \
+                        and not _is_replicate(spec):
+                    raise TypeError("a split_label function needs a Python loss_fn")
+                label_dim = leaf_split_dim(spec, "split_label")
+            loss = _capi.rp_loss_p()
+            L.rp_loss_create(byref(loss), _LOSSES[builtin.kind])
+            try:
+                L.rp_loss_set_scale(loss, builtin.scale)
+            except BaseException:
+                L.rp_loss_destroy(loss)
+                raise
+        elif callable(loss_fn):
+            labels = None
+            if label is not None:
+                labels = self._split_label(label, cfg.split_label, self._num_microbatch(cfg))
+            loss_call = LossCall(loss_fn, labels)
+            loss = _capi.rp_loss_p()
+            loss_key = registry.add(loss_call)
+            try:
+                L.rp_loss_create_callback(byref(loss), LOSS_TRAMPOLINE, loss_key)
+            except BaseException:
+                registry.pop(loss_key)
+                raise
+        else:
+            raise TypeError("loss_fn must be None, a built-in loss name, a BuiltinLoss or a "
+                            "callable; got %r" % (loss_fn,))
+
+        split_key = registry.add(split_call) if split_call is not None else None
+        failure = None
+        out_loss = c_double()
+        out_list = _capi.rp_tensor_list_p()
+        c_config = None
+        try:
+            c_config = cfg.build_c(dims, label_dim,
+                                   (SPLIT_TRAMPOLINE, split_key) if split_key else None)
+            inputs = BorrowedInputs(tensors)
+            labels_in = BorrowedInputs([label_tensor]) if label_tensor is not None else None
+            L.rp_forward_backward(byref(out_loss), byref(out_list) if return_outputs else None,
+                                  self.handle, inputs.array, inputs.count,
+                                  labels_in.pointers[0] if labels_in else None, loss, c_config)
+        except RoundPipeError as err:
+            failure = err
+        finally:
+            if c_config is not None:
+                L.rp_run_config_destroy(c_config)
+            L.rp_loss_destroy(loss)
+            if loss_call is not None:
+                registry.pop(loss_key)
+            if split_key is not None:
+                registry.pop(split_key)
+        if failure is not None:
+            self._raise_call_failure(failure, loss_call, split_call)
+        loss_value = torch.tensor(out_loss.value, dtype=torch.float64)
+        if return_outputs:
+            return loss_value, self._outputs(out_list, cfg)
+        return loss_value
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def optim_named_parameters(self, prefix="", remove_duplicate=True):
+        """(name, Parameter) for every parameter: torch Parameters sharing memory with the
+        engine's master weights (fp32 unless optim_dtype says otherwise). Inside a step
+        function their .grad is that step's gradient; after synchronize() it is the gradient
+        accumulated since the last step. Read or write them only inside a step function or
+        after synchronize(). Names are "<layer>.<name>" ("0.weight")."""
+        self.handle  # raises when closed
+        for name, p in self._params.build():
+            yield (prefix + "." + name if prefix else name), p
+
+    def optim_parameters(self):
+        """The Parameters of optim_named_parameters(), for a torch.optim optimizer."""
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    # The engine keeps one host copy that Python can reach: the master weights. parameters()
+    # gives the same Parameters (upstream redirects them to the optimizer copy inside step_fn).
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        """Same as optim_named_parameters(): the latest weights after synchronize()."""
+        return self.optim_named_parameters(prefix, remove_duplicate)
+
+    def parameters(self, recurse=True):
+        return self.optim_parameters()
+
+    def _raise_step_failure(self, failure):
+        if failure.status == Status.CALLBACK and self._params.step_exc is not None:
+            exc, self._params.step_exc = self._params.step_exc, None
+            raise exc
+        raise failure
+
+    def step(self, step_fn, is_async=True, *args, **kwargs):
+        """One optimizer step over the gradients accumulated since the previous one.
+
+        `step_fn` is either a built-in optimizer's settings (roundpipe.optim.AdamW / SGD: the
+        update runs in C++), or a Python callable ``step_fn(*args, **kwargs)`` run on the
+        optimizer thread with optim_parameters()' .grad set to this step's gradients, e.g.
+        ``lambda: (opt.step(), opt.zero_grad())`` for a torch.optim optimizer over
+        optim_parameters(); it must update the parameters in place.
+
+        Async (default): returns at once; the next forward_backward runs on the weights from
+        before this step (staleness one). An exception raised by an async step_fn is re-raised
+        by the next step() or synchronize(). Sync: returns when the new weights are in use, and
+        re-raises step_fn's exception itself.
+        """
+        handle = self.handle
+        L = lib()
+        params = self._params
+        if params.sync_grads:  # nothing runs since synchronize(): safe to drop its grad views
+            params.detach_grads()
+            params.sync_grads = False
+        failure = None
+        if isinstance(step_fn, BuiltinOptimizer):
+            if args or kwargs:
+                raise TypeError("a built-in optimizer takes no step arguments")
+            try:
+                L.rp_step(handle, step_fn.handle, int(bool(is_async)))
+            except RoundPipeError as err:
+                failure = err
+        elif callable(step_fn):
+            key = registry.add(StepCall(params, step_fn, args, kwargs))
+            try:
+                L.rp_step_callback(handle, STEP_TRAMPOLINE, key, int(bool(is_async)))
+            except RoundPipeError as err:
+                registry.pop(key)  # not enqueued (a sync step that ran popped it already)
+                failure = err
+        else:
+            raise TypeError("step_fn must be a callable or a roundpipe.optim optimizer")
+        if failure is not None:
+            self._raise_step_failure(failure)
+
+    def synchronize(self):
+        """Wait for every pending step and publish the latest weights. Afterwards the
+        parameters show the latest master weights and their .grad the gradients accumulated
+        since the last step. Re-raises the exception of a failed async step_fn."""
+        handle = self.handle
+        try:
+            lib().rp_synchronize(handle)
+        except RoundPipeError as err:
+            self._raise_step_failure(err)
+        self._params.attach_grads(handle.value)
+        self._params.sync_grads = True
+
+    def zero_grad(self, set_to_none=True):
+        """Drop the gradients accumulated since the last step."""
+        handle = self.handle
+        lib().rp_zero_grad(handle)
+        if self._params.sync_grads and self._params.items is not None:
+            self._params.attach_grads(handle.value)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _copy_in(self, named):
+        """Write (engine name, tensor) pairs into the master weights and publish them."""
+        self.synchronize()
+        params = dict(self._params.build())
+        with torch.no_grad():
+            for name, value in named:
+                params[name].copy_(value.detach().to(device="cpu"))
+        self.synchronize()
+
+    def state_dict(self):
+        """Copies of the latest weights (synchronizes first), by engine parameter name."""
+        self.synchronize()
+        return OrderedDict((name, p.detach().clone()) for name, p in self._params.build())
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy weights into the model by engine parameter name (synchronizes before and
+        after). With strict, every parameter must be given and nothing else."""
+        params = dict(self._params.build())
+        unexpected = [k for k in state_dict if k not in params]
+        missing = [k for k in params if k not in state_dict]
+        if strict and (unexpected or missing):
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "load_state_dict: missing %s, "
+                                 "unexpected %s" % (missing, unexpected))
+        for k, v in state_dict.items():
+            if k in params and tuple(v.shape) != tuple(params[k].shape):
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "load_state_dict: %s has shape %s,"
+                                     " the model's is %s" % (k, tuple(v.shape),
+                                                             tuple(params[k].shape)))
+        self._copy_in([(k, v) for k, v in state_dict.items() if k in params])
+
+    def copy_to_module(self, module=None):
+        """Copy the latest weights into the nn.Module this model was built from (or `module`,
+        which must have the same structure). Returns the module."""
+        module = module if module is not None else self.model
+        if module is None or self._module_names is None:
+            raise RoundPipeError(Status.STATE, "copy_to_module needs a model built from an "
+                                 "nn.Module")
+        targets = dict(module.named_parameters())
+        with torch.no_grad():
+            for name, value in self.state_dict().items():
+                target = targets[self._module_names[name]]
+                target.copy_(value.to(target.dtype))
+        return module
+
+    def save(self, path):
+        """Save the latest weights (model dtype, engine names) as safetensors."""
+        lib().rp_model_save(self.handle, os.fsencode(os.fspath(path)))
+
+    def load(self, path):
+        """Load every parameter from a safetensors file (drops accumulated gradients)."""
+        handle = self.handle
+        lib().rp_model_load(handle, os.fsencode(os.fspath(path)))
+        if self._params.sync_grads and self._params.items is not None:
+            self._params.attach_grads(handle.value)
+
+
+def _bad_label_spec(spec):
+    raise RoundPipeError(Status.INVALID_ARGUMENT, "split_label %r is nested but the label is "
+                         "one tensor" % (spec,))
+
+
+def spec_json(model):
+    """The JSON layer spec RoundPipe(model) would build (for inspection)."""
+    text, _ = resolve_model(model)
+    return json.loads(text)

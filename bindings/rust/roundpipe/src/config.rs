@@ -1,0 +1,275 @@
+//! Run configuration and model options: owned handles with typed setters.
+
+use std::ffi::CString;
+use std::ptr::NonNull;
+
+use roundpipe_sys as sys;
+
+use crate::error::{check, Error, Result};
+
+/// Which kind of device runs the stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// All visible GPUs, else CPU worker devices.
+    Auto,
+    /// CPU worker devices, even when GPUs are visible.
+    Cpu,
+    /// GPUs; model creation fails when none is visible.
+    Cuda,
+}
+
+impl DeviceKind {
+    fn code(self) -> i32 {
+        match self {
+            DeviceKind::Auto => sys::RP_DEVICE_AUTO,
+            DeviceKind::Cpu => sys::RP_DEVICE_CPU,
+            DeviceKind::Cuda => sys::RP_DEVICE_CUDA,
+        }
+    }
+}
+
+/// Floating-point types of weights and optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatType {
+    /// Inherit / the built-in default.
+    Default,
+    F32,
+    BF16,
+    F16,
+}
+
+impl FloatType {
+    fn code(self) -> i32 {
+        match self {
+            FloatType::Default => sys::RP_DTYPE_DEFAULT,
+            FloatType::F32 => sys::RP_DTYPE_F32,
+            FloatType::BF16 => sys::RP_DTYPE_BF16,
+            FloatType::F16 => sys::RP_DTYPE_F16,
+        }
+    }
+}
+
+/// How host copies of the weights are pinned (ignored on CPU devices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinMode {
+    Alloc,
+    Register,
+    Off,
+}
+
+/// Granularity of activation recomputation in backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecomputeGrain {
+    Default,
+    Stage,
+    Layer,
+}
+
+/// How an input (or the labels) is split into microbatches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Along this dimension.
+    Dim(i32),
+    /// Every microbatch gets the whole tensor.
+    Replicate,
+}
+
+impl Split {
+    fn code(self) -> i32 {
+        match self {
+            Split::Dim(d) => d,
+            Split::Replicate => sys::RP_SPLIT_REPLICATE,
+        }
+    }
+}
+
+/// A run configuration (upstream's `RoundPipeRunConfig`). Every field starts unset; a per-call
+/// configuration overrides the model's field by field.
+#[derive(Debug)]
+pub struct RunConfig {
+    ptr: NonNull<sys::rp_run_config>,
+}
+
+// SAFETY: the handle is plain data owned by this value; the header makes no promise about
+// concurrent use, so RunConfig is Send but not Sync.
+unsafe impl Send for RunConfig {}
+
+impl RunConfig {
+    /// A configuration with every field unset.
+    pub fn new() -> Result<RunConfig> {
+        crate::ensure_abi()?;
+        let mut p = std::ptr::null_mut();
+        // SAFETY: p is a valid out-pointer.
+        check(unsafe { sys::rp_run_config_create(&mut p) })?;
+        NonNull::new(p).map(|ptr| RunConfig { ptr }).ok_or_else(|| {
+            Error::new(
+                crate::Status::Internal,
+                "rp_run_config_create returned NULL",
+            )
+        })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const sys::rp_run_config {
+        self.ptr.as_ptr()
+    }
+
+    /// Number of microbatches (>= 1; 0 unsets). Default: number of devices + 1.
+    pub fn set_num_microbatch(&mut self, n: i32) -> Result<&mut Self> {
+        check(unsafe { sys::rp_run_config_set_num_microbatch(self.ptr.as_ptr(), n) })?;
+        Ok(self)
+    }
+
+    /// Recompute granularity.
+    pub fn set_recompute_grain(&mut self, grain: RecomputeGrain) -> Result<&mut Self> {
+        let code = match grain {
+            RecomputeGrain::Default => sys::RP_GRAIN_DEFAULT,
+            RecomputeGrain::Stage => sys::RP_GRAIN_STAGE,
+            RecomputeGrain::Layer => sys::RP_GRAIN_LAYER,
+        };
+        check(unsafe { sys::rp_run_config_set_recompute_grain(self.ptr.as_ptr(), code) })?;
+        Ok(self)
+    }
+
+    /// Where outputs are returned: the CPU, or GPU `index` (`Some(index)`).
+    pub fn set_output_device(&mut self, cuda_index: Option<i32>) -> Result<&mut Self> {
+        let (kind, id) = match cuda_index {
+            None => (sys::kDLCPU, 0),
+            Some(i) => (sys::kDLCUDA, i),
+        };
+        check(unsafe { sys::rp_run_config_set_output_device(self.ptr.as_ptr(), kind, id) })?;
+        Ok(self)
+    }
+
+    /// How input `index` is split into microbatches.
+    pub fn set_input_split(&mut self, index: i32, split: Split) -> Result<&mut Self> {
+        check(unsafe {
+            sys::rp_run_config_set_input_split_dim(self.ptr.as_ptr(), index, split.code())
+        })?;
+        Ok(self)
+    }
+
+    /// How labels are split into microbatches.
+    pub fn set_label_split(&mut self, split: Split) -> Result<&mut Self> {
+        check(unsafe { sys::rp_run_config_set_label_split_dim(self.ptr.as_ptr(), split.code()) })?;
+        Ok(self)
+    }
+
+    /// `Some(true)`: merge the microbatches' outputs into one tensor (default); `Some(false)`:
+    /// one output per microbatch; `None`: unset.
+    pub fn set_merge_output(&mut self, merge: Option<bool>) -> Result<&mut Self> {
+        let code = match merge {
+            None => -1,
+            Some(true) => 1,
+            Some(false) => 0,
+        };
+        check(unsafe { sys::rp_run_config_set_merge_output(self.ptr.as_ptr(), code) })?;
+        Ok(self)
+    }
+}
+
+impl Drop for RunConfig {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed once. A model keeps its own copy.
+        unsafe { sys::rp_run_config_destroy(self.ptr.as_ptr()) }
+    }
+}
+
+/// Options for [`Model::new`](crate::Model::new).
+#[derive(Debug)]
+pub struct ModelOptions {
+    ptr: NonNull<sys::rp_model_options>,
+}
+
+// SAFETY: as for RunConfig.
+unsafe impl Send for ModelOptions {}
+
+impl ModelOptions {
+    /// Options holding the defaults.
+    pub fn new() -> Result<ModelOptions> {
+        crate::ensure_abi()?;
+        let mut p = std::ptr::null_mut();
+        check(unsafe { sys::rp_model_options_create(&mut p) })?;
+        NonNull::new(p)
+            .map(|ptr| ModelOptions { ptr })
+            .ok_or_else(|| {
+                Error::new(
+                    crate::Status::Internal,
+                    "rp_model_options_create returned NULL",
+                )
+            })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const sys::rp_model_options {
+        self.ptr.as_ptr()
+    }
+
+    /// Data type of the weights the devices compute with (default f32).
+    pub fn set_model_dtype(&mut self, dtype: FloatType) -> Result<&mut Self> {
+        check(unsafe { sys::rp_model_options_set_model_dtype(self.ptr.as_ptr(), dtype.code()) })?;
+        Ok(self)
+    }
+
+    /// Data type of master weights and optimizer state (default f32).
+    pub fn set_optim_dtype(&mut self, dtype: FloatType) -> Result<&mut Self> {
+        check(unsafe { sys::rp_model_options_set_optim_dtype(self.ptr.as_ptr(), dtype.code()) })?;
+        Ok(self)
+    }
+
+    /// Host pinning of the weights.
+    pub fn set_pin_mode(&mut self, mode: PinMode) -> Result<&mut Self> {
+        let code = match mode {
+            PinMode::Alloc => sys::RP_PIN_ALLOC,
+            PinMode::Register => sys::RP_PIN_REGISTER,
+            PinMode::Off => sys::RP_PIN_OFF,
+        };
+        check(unsafe { sys::rp_model_options_set_pin_mode(self.ptr.as_ptr(), code) })?;
+        Ok(self)
+    }
+
+    /// The model-level run configuration (copied; `None` clears it).
+    pub fn set_run_config(&mut self, config: Option<&RunConfig>) -> Result<&mut Self> {
+        let p = config.map_or(std::ptr::null(), |c| c.as_ptr());
+        check(unsafe { sys::rp_model_options_set_run_config(self.ptr.as_ptr(), p) })?;
+        Ok(self)
+    }
+
+    /// Seed of weight initialisation and dropout (default 0).
+    pub fn set_seed(&mut self, seed: u64) -> Result<&mut Self> {
+        check(unsafe { sys::rp_model_options_set_seed(self.ptr.as_ptr(), seed) })?;
+        Ok(self)
+    }
+
+    /// Name shown in logs.
+    pub fn set_name(&mut self, name: &str) -> Result<&mut Self> {
+        let c = CString::new(name).map_err(|_| Error::invalid("name contains a NUL byte"))?;
+        check(unsafe { sys::rp_model_options_set_name(self.ptr.as_ptr(), c.as_ptr()) })?;
+        Ok(self)
+    }
+
+    /// Device kind and count (0: all visible GPUs, or one CPU worker device).
+    pub fn set_devices(&mut self, kind: DeviceKind, count: i32) -> Result<&mut Self> {
+        check(unsafe { sys::rp_model_options_set_devices(self.ptr.as_ptr(), kind.code(), count) })?;
+        Ok(self)
+    }
+
+    /// Explicit stage plan: stage `s` holds the next `layers_per_stage[s]` layers. An empty
+    /// slice returns to the automatic planner.
+    pub fn set_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<&mut Self> {
+        let p = if layers_per_stage.is_empty() {
+            std::ptr::null()
+        } else {
+            layers_per_stage.as_ptr()
+        };
+        check(unsafe {
+            sys::rp_model_options_set_stage_plan(self.ptr.as_ptr(), p, layers_per_stage.len())
+        })?;
+        Ok(self)
+    }
+}
+
+impl Drop for ModelOptions {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed once.
+        unsafe { sys::rp_model_options_destroy(self.ptr.as_ptr()) }
+    }
+}

@@ -1,0 +1,471 @@
+//! The model: build, train, step, inspect, save and load.
+
+use std::ffi::CString;
+use std::os::raw::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::ptr::{self, NonNull};
+use std::sync::Mutex;
+
+use roundpipe_sys as sys;
+
+use crate::config::{ModelOptions, RunConfig};
+use crate::error::{c_string, check, Error, Result, Status};
+use crate::loss::{panic_message, Loss};
+use crate::optim::Optimizer;
+use crate::tensor::{borrowed_managed, AsDlpack, DlTensor};
+
+/// A model: layers, host parameter store, optimizer state, device workers and threads.
+///
+/// `Send` but not `Sync`: one thread drives a model at a time (the header's rule), which the
+/// `&mut self` of every driving method enforces. Dropping it drains the pipeline and the
+/// optimizer thread first.
+pub struct Model {
+    ptr: NonNull<sys::rp_model>,
+    // Step closures the optimizer thread may still run; freed once the library is done. Boxed:
+    // each one's address is a callback's user_data and must not move when the Vec grows.
+    #[allow(clippy::vec_box)]
+    pending_steps: Vec<Box<StepState>>,
+}
+
+// SAFETY: the library allows a model to be driven from any one thread at a time.
+unsafe impl Send for Model {}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("layers", &self.num_layers().ok())
+            .field("stages", &self.num_stages().ok())
+            .field("devices", &self.num_devices().ok())
+            .finish()
+    }
+}
+
+fn c_path(path: &Path) -> Result<CString> {
+    let s = path
+        .to_str()
+        .ok_or_else(|| Error::invalid(format!("path {:?} is not UTF-8", path)))?;
+    CString::new(s).map_err(|_| Error::invalid("path contains a NUL byte"))
+}
+
+/// Parameter access from inside a step closure (runs on the optimizer thread).
+pub struct StepContext {
+    model: *mut sys::rp_model,
+}
+
+impl StepContext {
+    /// Number of parameter tensors.
+    pub fn param_count(&self) -> Result<usize> {
+        param_count(self.model)
+    }
+
+    /// Name of parameter `index` ("3.weight").
+    pub fn param_name(&self, index: usize) -> Result<String> {
+        param_name(self.model, index)
+    }
+
+    /// The fp32 master weight of parameter `index`: update it in place.
+    pub fn master(&mut self, index: usize) -> Result<DlTensor> {
+        param_view(self.model, index, false)
+    }
+
+    /// The fp32 gradient of this step for parameter `index`.
+    pub fn grad(&mut self, index: usize) -> Result<DlTensor> {
+        param_view(self.model, index, true)
+    }
+}
+
+type StepFn = dyn FnOnce(&mut StepContext) -> std::result::Result<(), String> + Send;
+
+struct StepState {
+    f: Mutex<Option<Box<StepFn>>>,
+    error: Mutex<Option<String>>,
+}
+
+unsafe extern "C" fn step_trampoline(model: *mut sys::rp_model, user_data: *mut c_void) -> i32 {
+    if user_data.is_null() {
+        return 1;
+    }
+    // SAFETY: user_data is a StepState kept alive by the Model until the step has run.
+    let state = &*(user_data as *const StepState);
+    let f = state.f.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let f = match f {
+        Some(f) => f,
+        None => return 1,
+    };
+    let result = catch_unwind(AssertUnwindSafe(move || f(&mut StepContext { model })));
+    let msg = match result {
+        Ok(Ok(())) => return 0,
+        Ok(Err(m)) => format!("step callback failed: {}", m),
+        Err(p) => format!("step callback panicked: {}", panic_message(&*p)),
+    };
+    *state.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
+    1
+}
+
+fn param_count(model: *const sys::rp_model) -> Result<usize> {
+    let mut n = 0usize;
+    check(unsafe { sys::rp_param_count(&mut n, model) })?;
+    Ok(n)
+}
+
+fn param_name(model: *const sys::rp_model, index: usize) -> Result<String> {
+    let mut p = ptr::null();
+    check(unsafe { sys::rp_param_name(&mut p, model, index) })?;
+    // SAFETY: library-owned, valid while the model lives; copied at once.
+    Ok(unsafe { c_string(p) })
+}
+
+fn param_view(model: *mut sys::rp_model, index: usize, grad: bool) -> Result<DlTensor> {
+    let mut p = ptr::null_mut();
+    check(unsafe {
+        if grad {
+            sys::rp_param_grad(&mut p, model, index)
+        } else {
+            sys::rp_param_master(&mut p, model, index)
+        }
+    })?;
+    // SAFETY: the library hands us a new reference that we own.
+    unsafe { DlTensor::from_raw(p) }
+        .ok_or_else(|| Error::new(Status::Internal, "NULL parameter view"))
+}
+
+fn take_list(list: *mut sys::rp_tensor_list) -> Result<Vec<DlTensor>> {
+    struct Guard(*mut sys::rp_tensor_list);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            // SAFETY: owned list, destroyed once; tensors taken from it stay valid.
+            unsafe { sys::rp_tensor_list_destroy(self.0) }
+        }
+    }
+    let guard = Guard(list);
+    let mut n = 0usize;
+    check(unsafe { sys::rp_tensor_list_size(&mut n, guard.0) })?;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut t = ptr::null_mut();
+        check(unsafe { sys::rp_tensor_list_get(&mut t, guard.0, i) })?;
+        // SAFETY: a new reference owned by the caller.
+        out.push(
+            unsafe { DlTensor::from_raw(t) }
+                .ok_or_else(|| Error::new(Status::Internal, "NULL output tensor"))?,
+        );
+    }
+    Ok(out)
+}
+
+impl Model {
+    /// Build a model from a JSON spec (`{"layers": [...]}`, see docs/semantics.md); `None`
+    /// options mean the defaults.
+    pub fn new(spec_json: &str, options: Option<&ModelOptions>) -> Result<Model> {
+        crate::ensure_abi()?;
+        let spec =
+            CString::new(spec_json).map_err(|_| Error::invalid("spec contains a NUL byte"))?;
+        let mut p = ptr::null_mut();
+        let opts = options.map_or(ptr::null(), |o| o.as_ptr());
+        // SAFETY: valid out-pointer, NUL-terminated spec, options borrowed for the call.
+        check(unsafe { sys::rp_model_create(&mut p, spec.as_ptr(), opts) })?;
+        let ptr = NonNull::new(p)
+            .ok_or_else(|| Error::new(Status::Internal, "rp_model_create returned NULL"))?;
+        Ok(Model {
+            ptr,
+            pending_steps: Vec::new(),
+        })
+    }
+
+    /// The raw handle, for calls of `roundpipe-sys` this crate does not wrap.
+    pub fn as_ptr(&mut self) -> *mut sys::rp_model {
+        self.ptr.as_ptr()
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> Result<i32> {
+        let mut n = 0;
+        check(unsafe { sys::rp_model_num_layers(&mut n, self.ptr.as_ptr()) })?;
+        Ok(n)
+    }
+
+    /// Number of stages of the current plan.
+    pub fn num_stages(&self) -> Result<i32> {
+        let mut n = 0;
+        check(unsafe { sys::rp_model_num_stages(&mut n, self.ptr.as_ptr()) })?;
+        Ok(n)
+    }
+
+    /// Number of worker devices.
+    pub fn num_devices(&self) -> Result<i32> {
+        let mut n = 0;
+        check(unsafe { sys::rp_model_num_devices(&mut n, self.ptr.as_ptr()) })?;
+        Ok(n)
+    }
+
+    /// Number of optimizer steps enqueued so far.
+    pub fn step_count(&self) -> Result<i64> {
+        let mut n = 0;
+        check(unsafe { sys::rp_model_step_count(&mut n, self.ptr.as_ptr()) })?;
+        Ok(n)
+    }
+
+    /// Inference on the published weights: returns the outputs (one tensor when merged, else
+    /// one per microbatch). `config` overrides the model's run configuration for this call.
+    pub fn forward(
+        &mut self,
+        inputs: &[&dyn AsDlpack],
+        config: Option<&RunConfig>,
+    ) -> Result<Vec<DlTensor>> {
+        let managed = borrowed_managed(inputs);
+        let ptrs: Vec<*const sys::DLManagedTensor> =
+            managed.iter().map(|m| m as *const _).collect();
+        let mut list = ptr::null_mut();
+        // SAFETY: the inputs are borrowed for the call and outlive it.
+        check(unsafe {
+            sys::rp_forward(
+                &mut list,
+                self.ptr.as_ptr(),
+                ptrs.as_ptr(),
+                ptrs.len(),
+                config.map_or(ptr::null(), |c| c.as_ptr()),
+            )
+        })?;
+        take_list(list)
+    }
+
+    /// Training: forward, loss and backward of every microbatch in one pipelined pass. Returns
+    /// the sum of the microbatch losses; gradients accumulate until the next step. `loss`
+    /// `None` means the model's output is the loss.
+    pub fn forward_backward(
+        &mut self,
+        inputs: &[&dyn AsDlpack],
+        labels: Option<&dyn AsDlpack>,
+        loss: Option<&Loss>,
+        config: Option<&RunConfig>,
+    ) -> Result<f64> {
+        self.forward_backward_impl(inputs, labels, loss, config, false)
+            .map(|(l, _)| l)
+    }
+
+    /// As [`forward_backward`](Self::forward_backward), also returning the merged outputs.
+    pub fn forward_backward_with_outputs(
+        &mut self,
+        inputs: &[&dyn AsDlpack],
+        labels: Option<&dyn AsDlpack>,
+        loss: Option<&Loss>,
+        config: Option<&RunConfig>,
+    ) -> Result<(f64, Vec<DlTensor>)> {
+        self.forward_backward_impl(inputs, labels, loss, config, true)
+    }
+
+    fn forward_backward_impl(
+        &mut self,
+        inputs: &[&dyn AsDlpack],
+        labels: Option<&dyn AsDlpack>,
+        loss: Option<&Loss>,
+        config: Option<&RunConfig>,
+        want_outputs: bool,
+    ) -> Result<(f64, Vec<DlTensor>)> {
+        let managed = borrowed_managed(inputs);
+        let ptrs: Vec<*const sys::DLManagedTensor> =
+            managed.iter().map(|m| m as *const _).collect();
+        let label_managed = labels.map(|l| borrowed_managed(&[l]));
+        let label_ptr = label_managed
+            .as_ref()
+            .map_or(ptr::null(), |v| &v[0] as *const _);
+        if let Some(state) = loss.and_then(|l| l.state()) {
+            state.take_error();
+        }
+        let mut value = 0.0f64;
+        let mut list = ptr::null_mut();
+        // SAFETY: everything is borrowed for the call and outlives it.
+        let status = unsafe {
+            sys::rp_forward_backward(
+                &mut value,
+                if want_outputs {
+                    &mut list
+                } else {
+                    ptr::null_mut()
+                },
+                self.ptr.as_ptr(),
+                ptrs.as_ptr(),
+                ptrs.len(),
+                label_ptr,
+                loss.map_or(ptr::null(), |l| l.as_ptr()),
+                config.map_or(ptr::null(), |c| c.as_ptr()),
+            )
+        };
+        if let Err(e) = check(status) {
+            let detail = loss.and_then(|l| l.state()).and_then(|s| s.take_error());
+            return Err(match detail {
+                Some(d) if e.status() == Status::Callback => e.with_detail(&d),
+                _ => e,
+            });
+        }
+        let outputs = if want_outputs && !list.is_null() {
+            take_list(list)?
+        } else {
+            Vec::new()
+        };
+        Ok((value, outputs))
+    }
+
+    /// One built-in optimizer step on the gradients accumulated since the previous step.
+    /// Asynchronous (`is_async`, recommended): returns at once, and the next `forward_backward`
+    /// runs on the weights from before this step (staleness 1).
+    pub fn step(&mut self, optimizer: &Optimizer, is_async: bool) -> Result<()> {
+        let status =
+            unsafe { sys::rp_step(self.ptr.as_ptr(), optimizer.as_ptr(), is_async as i32) };
+        let r = self.check_steps(status);
+        self.forget_finished_steps(status);
+        r
+    }
+
+    /// A step computed by `f` on the optimizer thread: it gets the master weights and this
+    /// step's gradients through [`StepContext`] and updates the weights in place. An `Err` or a
+    /// panic is reported by this call (sync) or by the next step / synchronize (async).
+    pub fn step_with<F>(&mut self, f: F, is_async: bool) -> Result<()>
+    where
+        F: FnOnce(&mut StepContext) -> std::result::Result<(), String> + Send + 'static,
+    {
+        let state = Box::new(StepState {
+            f: Mutex::new(Some(Box::new(f))),
+            error: Mutex::new(None),
+        });
+        let user_data = &*state as *const StepState as *mut c_void;
+        // SAFETY: the trampoline matches rp_step_fn; an async step's state stays in
+        // pending_steps until the library has run it (next step, synchronize or drop).
+        let status = unsafe {
+            sys::rp_step_callback(
+                self.ptr.as_ptr(),
+                Some(step_trampoline),
+                user_data,
+                is_async as i32,
+            )
+        };
+        let mut r = self.check_steps(status);
+        if !is_async || status != sys::RP_OK {
+            // This step has run (sync) or was refused: its own failure, if any, is known now.
+            if let Some(d) = state.error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                r = r.map_err(|e| e.with_detail(&d));
+            }
+        }
+        self.forget_finished_steps(status);
+        if status == sys::RP_OK && is_async {
+            self.pending_steps.push(state);
+        }
+        r
+    }
+
+    /// After a call that waited for every earlier step (it returned OK, or CALLBACK for a failed
+    /// earlier step), their closures can be freed. Other failures may have returned before
+    /// waiting, so the closures are kept.
+    fn forget_finished_steps(&mut self, status: sys::rp_status) {
+        if status == sys::RP_OK || status == sys::RP_ERR_CALLBACK {
+            self.pending_steps.clear();
+        }
+    }
+
+    /// A status of a call that waits for earlier steps, with the message of a failed step
+    /// closure attached.
+    fn check_steps(&self, status: sys::rp_status) -> Result<()> {
+        check(status).map_err(|e| {
+            if e.status() != Status::Callback {
+                return e;
+            }
+            let details: Vec<String> = self
+                .pending_steps
+                .iter()
+                .filter_map(|s| s.error.lock().unwrap_or_else(|p| p.into_inner()).take())
+                .collect();
+            e.with_detail(&details.join("; "))
+        })
+    }
+
+    /// Wait for every pending step and publish the latest master weights (a point where nothing
+    /// is in flight).
+    pub fn synchronize(&mut self) -> Result<()> {
+        let status = unsafe { sys::rp_synchronize(self.ptr.as_ptr()) };
+        let r = self.check_steps(status);
+        self.forget_finished_steps(status);
+        r
+    }
+
+    /// Drop the gradients accumulated since the last step.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        check(unsafe { sys::rp_zero_grad(self.ptr.as_ptr()) })
+    }
+
+    /// Number of parameter tensors.
+    pub fn param_count(&self) -> Result<usize> {
+        param_count(self.ptr.as_ptr())
+    }
+
+    /// Name of parameter `index` ("<layer>.<name>", e.g. "3.fc1.weight").
+    pub fn param_name(&self, index: usize) -> Result<String> {
+        param_name(self.ptr.as_ptr(), index)
+    }
+
+    /// Names of all parameters, in order.
+    pub fn param_names(&self) -> Result<Vec<String>> {
+        (0..self.param_count()?)
+            .map(|i| self.param_name(i))
+            .collect()
+    }
+
+    /// Index of the parameter called `name`.
+    pub fn param_find(&self, name: &str) -> Result<usize> {
+        let c = CString::new(name).map_err(|_| Error::invalid("name contains a NUL byte"))?;
+        let mut i = 0usize;
+        check(unsafe { sys::rp_param_find(&mut i, self.ptr.as_ptr(), c.as_ptr()) })?;
+        Ok(i)
+    }
+
+    /// Shape of parameter `index`.
+    pub fn param_shape(&self, index: usize) -> Result<Vec<i64>> {
+        let mut ndim = 0i32;
+        check(unsafe {
+            sys::rp_param_shape(ptr::null_mut(), &mut ndim, 0, self.ptr.as_ptr(), index)
+        })?;
+        let mut shape = vec![0i64; ndim.max(0) as usize];
+        check(unsafe {
+            sys::rp_param_shape(
+                shape.as_mut_ptr(),
+                &mut ndim,
+                ndim,
+                self.ptr.as_ptr(),
+                index,
+            )
+        })?;
+        Ok(shape)
+    }
+
+    /// Zero-copy view of the fp32 master weight of parameter `index` (read it after
+    /// `synchronize`; writes take effect at the next synchronize or step).
+    pub fn param_master(&mut self, index: usize) -> Result<DlTensor> {
+        param_view(self.ptr.as_ptr(), index, false)
+    }
+
+    /// Zero-copy view of the gradient accumulated since the last step for parameter `index`
+    /// (read it after `synchronize`; take a fresh view after each step).
+    pub fn param_grad(&mut self, index: usize) -> Result<DlTensor> {
+        param_view(self.ptr.as_ptr(), index, true)
+    }
+
+    /// Save the latest weights to a safetensors file (synchronizes first).
+    pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let p = c_path(path.as_ref())?;
+        check(unsafe { sys::rp_model_save(self.ptr.as_ptr(), p.as_ptr()) })
+    }
+
+    /// Load every parameter from a safetensors file (synchronizes first).
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let p = c_path(path.as_ref())?;
+        check(unsafe { sys::rp_model_load(self.ptr.as_ptr(), p.as_ptr()) })
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed once; destroy drains the optimizer thread, so the
+        // pending step closures (dropped after this) are no longer used.
+        unsafe { sys::rp_model_destroy(self.ptr.as_ptr()) }
+    }
+}
