@@ -189,8 +189,17 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
                      "and dtype " + dtype + ": " + e.what_without_backtrace());
         }
     }
-    if (loss)
-        check_loss_inputs(*loss, x, labels.defined() ? empty_batch(labels) : labels);
+    if (!loss)
+        return;
+    // Emptying the batch hides a row-count mismatch; every layer keeps dim 0 as the batch, so
+    // built-in losses need exactly one label row per input row.
+    bool rowwise = loss->kind == LossKind::Mse || loss->kind == LossKind::CrossEntropy;
+    if (rowwise && labels.defined() && labels.dim() > 0 && in.dim() > 0)
+        require(labels.size(0) == in.size(0),
+                "labels have " + std::to_string(labels.size(0)) + " rows in this microbatch but "
+                "input 0 has " + std::to_string(in.size(0)) +
+                    "; the label batch must match the input batch");
+    check_loss_inputs(*loss, x, labels.defined() ? empty_batch(labels) : labels);
 }
 
 } // namespace rp
