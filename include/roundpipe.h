@@ -324,8 +324,8 @@ RP_API rp_status rp_model_options_set_stage_plan(rp_model_options *options,
                                                  const int32_t *layers_per_stage, size_t n);
 
 /**
- * Build a model from a JSON spec: {"layers": [{"type": "linear", "in": 4, "out": 8}, ...]}.
- * The README lists the layer types and their arguments. Weights are initialised from the seed.
+ * Build a model from a JSON spec: {"layers": [{"type": "linear", "in": 4, "out": 8}, ...]}, with
+ * at least one layer. docs/semantics.md lists the layer types and their arguments. Weights are initialised from the seed.
  * @param out_model receives the model; caller frees with rp_model_destroy.
  * @param spec_json NUL-terminated JSON text, borrowed.
  * @param options borrowed; NULL means defaults.
@@ -425,8 +425,9 @@ RP_API void rp_loss_destroy(rp_loss *loss);
  * Uses the published weights (see rp_step). No gradients are recorded.
  * @param out_outputs receives the outputs (one tensor when merged, else one per microbatch);
  *        caller frees with rp_tensor_list_destroy.
- * @param inputs n_inputs borrowed DLPack tensors, contiguous, on the CPU (or on a GPU for
- *        GPU models). inputs[0] feeds the first layer; the others travel with it.
+ * @param inputs n_inputs (1..64) borrowed DLPack tensors, contiguous, in host memory (kDLCPU or
+ *        kDLCUDAHost), of dtype float32, float16, bfloat16 (converted to the model dtype), int64
+ *        or int32. inputs[0] feeds the first layer; the others are split alongside it.
  * @param config per-call overrides, borrowed; NULL uses the model's configuration.
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT for bad tensors or configuration; RP_ERR_CALLBACK
  *         when the split callback fails; RP_ERR_OUT_OF_MEMORY; RP_ERR_CUDA.
@@ -508,8 +509,9 @@ RP_API rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t
  * User step function. Runs on the optimizer thread. Inside it, rp_param_master and rp_param_grad
  * give the master weights and the gradients of this step: update the master weights in place.
  * Only those functions and the rp_param_* queries may be called on `model` from it.
- * @return 0 on success; other values are reported as RP_ERR_CALLBACK by rp_step (sync) or by the
- *         next rp_step / rp_synchronize (async); the weights then stay as the callback left them.
+ * @return 0 on success; other values are reported as RP_ERR_CALLBACK by rp_step (sync) or, once,
+ *         by the next rp_step / rp_synchronize (async), which then enqueues no step of its own;
+ *         the weights stay as the callback left them.
  */
 typedef int32_t (*rp_step_fn)(rp_model *model, void *user_data);
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole RoundPipe test suite: C (CMocka), Python, Rust, the ABI gates and the examples,
-# all through ctest in the build folder. Configures the build first if it never was (run
+# all through ctest in the build folder. Configures the build first if needed (run
 # scripts/setup.sh once on a new machine), and always brings the build up to date.
 #
 #   bash scripts/test.sh                 # everything that can run here
@@ -16,7 +16,9 @@ cd "$RP_ROOT"
 
 rp_cargo_path
 rp_select_python use
-if [ ! -f "$RP_BUILD_DIR/CMakeCache.txt" ]; then
+# Configure when the folder never was, or was configured without the tests or the examples.
+if [ ! -f "$RP_BUILD_DIR/CMakeCache.txt" ] ||
+    grep -Eq '^RP_BUILD_(TESTS|EXAMPLES):BOOL=(OFF|NO|FALSE|0)$' "$RP_BUILD_DIR/CMakeCache.txt"; then
     rp_torch_info
     rp_cuda_env find
     rp_configure

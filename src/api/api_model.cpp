@@ -72,7 +72,7 @@ Loss make_loss(const rp_loss *l) {
             if (!grad_dl)
                 fail(ErrorKind::Callback, "loss callback returned no gradient for microbatch " +
                                               std::to_string(m));
-            grad = adopt_dlpack(grad_dl, "loss callback gradient");
+            grad = adopt_dlpack(grad_dl, "loss callback gradient", /*allow_float64=*/true);
             return value;
         };
     }

@@ -8,8 +8,10 @@ std::string dtype_name(DLDataType t) {
            std::to_string(t.lanes) + " lanes)";
 }
 
-at::ScalarType scalar_type_of(DLDataType t, const std::string &what) {
+at::ScalarType scalar_type_of(DLDataType t, const std::string &what, bool allow_float64) {
     if (t.lanes == 1) {
+        if (allow_float64 && t.code == kDLFloat && t.bits == 64)
+            return at::kDouble;
         if (t.code == kDLFloat && t.bits == 32)
             return at::kFloat;
         if (t.code == kDLFloat && t.bits == 16)
@@ -61,17 +63,17 @@ at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what)
     require(tensor != nullptr, what + " is NULL");
     const DLTensor &t = tensor->dl_tensor;
     validate(t, what);
-    at::ScalarType type = scalar_type_of(t.dtype, what);
+    at::ScalarType type = scalar_type_of(t.dtype, what, false);
     std::vector<int64_t> sizes(t.shape, t.shape + t.ndim);
     char *data = static_cast<char *>(t.data) + t.byte_offset;
     return at::from_blob(data, sizes, at::TensorOptions().dtype(type));
 }
 
-at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what) {
+at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what, bool allow_float64) {
     require(tensor != nullptr, what + " is NULL");
     try {
         validate(tensor->dl_tensor, what);
-        scalar_type_of(tensor->dl_tensor.dtype, what);
+        scalar_type_of(tensor->dl_tensor.dtype, what, allow_float64);
     } catch (...) {
         if (tensor->deleter)
             tensor->deleter(tensor);

@@ -12,8 +12,9 @@ namespace rp {
 at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what);
 
 // Takes ownership of a DLPack tensor produced by a callback (its deleter runs when the tensor
-// dies). Validates it like borrow_dlpack.
-at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what);
+// dies). Validates it like borrow_dlpack; `allow_float64` also accepts float64 (gradients).
+at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what,
+                        bool allow_float64 = false);
 
 // A new caller-owned DLPack reference to `t`.
 DLManagedTensor *export_dlpack(const at::Tensor &t);

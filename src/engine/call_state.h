@@ -50,10 +50,10 @@ class CallState {
     }
 
     void job_finished() {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            --pending_jobs_;
-        }
+        // Notify while holding the lock: once the last job is counted, the caller may return and
+        // destroy this object, so nothing of it may be touched after the mutex is released.
+        std::lock_guard<std::mutex> lock(mutex_);
+        --pending_jobs_;
         changed_.notify_all();
     }
 

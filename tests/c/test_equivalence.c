@@ -222,8 +222,7 @@ static void layer_zoo_with_cross_entropy_and_sgd_matches_reference(void **state)
         "{\"type\": \"flatten\"},"
         "{\"type\": \"dropout\", \"p\": 0.5},"
         "{\"type\": \"linear\", \"in\": 12, \"out\": 5, \"bias\": false}]}";
-    int32_t devices = ts_device_kind() == RP_DEVICE_CUDA ? 1 : 2;
-    rp_model *model = ts_model(spec, 77, devices, NULL, 0);
+    rp_model *model = ts_model(spec, 77, 2, NULL, 0);
     ref_model *ref = ts_reference_from(model, spec, 77);
     rp_run_config *cfg = ts_config(3, RP_GRAIN_LAYER);
     rp_loss *loss = NULL;
@@ -265,8 +264,7 @@ static void embedding_model_matches_reference(void **state) {
                        "{\"type\": \"layer_norm\", \"dim\": 8},"
                        "{\"type\": \"flatten\", \"start_dim\": 1},"
                        "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}";
-    int32_t devices = ts_device_kind() == RP_DEVICE_CUDA ? 1 : 3;
-    rp_model *model = ts_model(spec, 5, devices, NULL, 0);
+    rp_model *model = ts_model(spec, 5, 3, NULL, 0);
     ref_model *ref = ts_reference_from(model, spec, 5);
     rp_run_config *cfg = ts_config(4, RP_GRAIN_STAGE);
     rp_loss *loss = NULL;
@@ -325,8 +323,7 @@ static void output_loss_matches_reference(void **state) {
  * training call for the dropout masks: the training call after it still uses k = 1. */
 static void forward_is_eval_mode_and_not_a_training_call(void **state) {
     (void)state;
-    int32_t devices = ts_device_kind() == RP_DEVICE_CUDA ? 1 : 2;
-    rp_model *model = ts_model(SPEC_DROPOUT, 31, devices, NULL, 0);
+    rp_model *model = ts_model(SPEC_DROPOUT, 31, 2, NULL, 0);
     ref_model *ref = ts_reference_from(model, SPEC_DROPOUT, 31);
     rp_run_config *cfg = ts_config(2, 0);
     rp_loss *loss = NULL;
@@ -380,7 +377,7 @@ static void reduced_precision_model_dtype_tracks_the_fp32_reference(void **state
         double loss_tol, grad_tol, weight_tol;
     } kinds[] = {{RP_DTYPE_BF16, "bf16", 3e-2, 3e-2, 1e-2},
                  {RP_DTYPE_F16, "f16", 4e-3, 4e-3, 2e-3}};
-    int32_t devices = ts_device_kind() == RP_DEVICE_CUDA ? 1 : 2;
+    int32_t devices = ts_devices(2);
     for (size_t k = 0; k < 2; ++k) {
         rp_model_options *o = NULL;
         TS_OK(rp_model_options_create(&o));

@@ -210,8 +210,17 @@ int32_t ts_device_kind(void) {
     return (d && strcmp(d, "cuda") == 0) ? RP_DEVICE_CUDA : RP_DEVICE_CPU;
 }
 
+int32_t ts_devices(int32_t wanted) {
+    if (ts_device_kind() != RP_DEVICE_CUDA)
+        return wanted;
+    int32_t gpus = 0;
+    TS_OK(rp_cuda_device_count(&gpus));
+    return wanted > gpus ? gpus : wanted;
+}
+
 rp_model *ts_model(const char *spec, uint64_t seed, int32_t devices, const int32_t *plan,
                    size_t plan_len) {
+    devices = ts_devices(devices);
     rp_model_options *opts = NULL;
     TS_OK(rp_model_options_create(&opts));
     TS_OK(rp_model_options_set_seed(opts, seed));

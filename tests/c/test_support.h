@@ -69,13 +69,16 @@ int ts_contains(const char *haystack, const char *needle_alternatives);
 
 /* ---- models ------------------------------------------------------------------------------- */
 
-/** Create a model on `devices` CPU worker devices (or the kind picked by ts_device_kind),
- * optional explicit plan (NULL: automatic), asserting success. */
+/** Create a model on `devices` CPU worker devices (or, with RP_TEST_DEVICE=cuda, on that many
+ * GPUs but no more than are visible), optional explicit plan (NULL: automatic), asserting
+ * success. */
 rp_model *ts_model(const char *spec, uint64_t seed, int32_t devices, const int32_t *plan,
                    size_t plan_len);
 /** Device kind used by ts_model: RP_DEVICE_CPU, or RP_DEVICE_CUDA when the environment
  * variable RP_TEST_DEVICE is "cuda". */
 int32_t ts_device_kind(void);
+/** `wanted`, capped at the number of visible GPUs when ts_device_kind() is RP_DEVICE_CUDA. */
+int32_t ts_devices(int32_t wanted);
 
 /** Run configuration with num_microbatch and grain set (grain 0 leaves it unset). */
 rp_run_config *ts_config(int32_t num_microbatch, int32_t grain);

@@ -274,3 +274,44 @@ def test_log_callback_receives_messages():
     assert all(isinstance(level, int) and isinstance(msg, str) for level, msg in got)
     with pytest.raises(RoundPipeError):
         roundpipe.set_log_callback(lambda level, msg: None, 7)
+
+
+def test_model_whose_last_reference_dies_in_its_own_async_step(tmp_path):
+    """A step_fn closing over its model may hold the model's last reference; dropping it on the
+    optimizer thread must not destroy the model there (it would wait for itself). Run in a
+    subprocess with a timeout, so that a deadlock fails the test instead of hanging it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import gc, time, torch, roundpipe
+        from rp_reference import MLP_SPEC
+
+        def train_and_forget():
+            model = roundpipe.RoundPipe(MLP_SPEC, devices=("cpu", 2))
+            opt = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+
+            def step_fn():
+                time.sleep(0.05)  # still running when train_and_forget has returned
+                torch.nn.utils.clip_grad_norm_(list(model.optim_parameters()), 1.0)
+                opt.step()
+
+            model.forward_backward((torch.randn(6, 8),), label=torch.randn(6, 4),
+                                   loss_fn="mse")
+            model.step(step_fn)  # async; returns with the step maybe still queued
+
+        for _ in range(5):
+            train_and_forget()
+        time.sleep(0.2)
+        gc.collect()
+        with roundpipe.RoundPipe(MLP_SPEC, devices=("cpu", 2)) as m:  # a safe point
+            m(torch.randn(3, 8))
+        print("OK")
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.abspath(roundpipe.__path__[0])), here]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=120, cwd=str(tmp_path))
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

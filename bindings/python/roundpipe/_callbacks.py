@@ -46,6 +46,48 @@ class _Registry:
 #: Calls in flight, keyed by the user_data given to C.
 registry = _Registry()
 
+# Library threads must never drop the last reference to a RoundPipe: its destructor would wait
+# for the very thread it runs on. Finished step calls (whose step_fn may close over the model)
+# are parked here, and models collected on a library thread leave their handle here; the thread
+# driving a model empties both at its next call (release_parked()).
+_parked_calls = []
+_parked_handles = []
+_in_callback = threading.local()
+
+
+def in_library_thread():
+    """True on a RoundPipe thread (one that ran a loss or step callback: such a thread never
+    drives a model) and inside any callback."""
+    return getattr(_in_callback, "library", False) or getattr(_in_callback, "depth", 0) > 0
+
+
+def park_handle(handle, destroy):
+    _parked_handles.append((handle, destroy))
+
+
+def release_parked():
+    """Drop parked calls and destroy parked handles; only on a thread that drives models."""
+    if in_library_thread():
+        return
+    while _parked_calls:
+        _parked_calls.pop()
+    while _parked_handles:
+        handle, destroy = _parked_handles.pop()
+        destroy(handle)
+
+
+class _CallbackScope:
+    def __init__(self, library_thread):
+        self.library_thread = library_thread
+
+    def __enter__(self):
+        if self.library_thread:  # for good: a collection may run here between callbacks too
+            _in_callback.library = True
+        _in_callback.depth = getattr(_in_callback, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _in_callback.depth -= 1
+
 
 # ------------------------------------------------------------------------------------------------
 # Loss
@@ -82,6 +124,11 @@ class LossCall:
 
 
 def _loss_entry(out_loss, out_grad, outputs, labels, microbatch, user_data):
+    with _CallbackScope(library_thread=True):
+        return _loss_body(out_loss, out_grad, outputs, labels, microbatch, user_data)
+
+
+def _loss_body(out_loss, out_grad, outputs, labels, microbatch, user_data):
     call = registry.get(user_data)
     if call is None:
         return 1
@@ -117,9 +164,18 @@ class StepCall:
 
 
 def _step_entry(model, user_data):
-    call = registry.pop(user_data)
-    if call is None:
-        return 1
+    with _CallbackScope(library_thread=True):
+        call = registry.pop(user_data)
+        if call is None:
+            return 1
+        try:
+            return _step_body(model, call)
+        finally:
+            _parked_calls.append(call)  # the last reference leaves with the driving thread
+            del call
+
+
+def _step_body(model, call):
     params = call.params
     try:
         params.attach_grads(model)
@@ -154,6 +210,11 @@ class SplitCall:
 
 
 def _split_entry(out_pieces, inputs, n_inputs, num_microbatch, user_data):
+    with _CallbackScope(library_thread=False):  # runs on the caller's thread
+        return _split_body(out_pieces, n_inputs, num_microbatch, user_data)
+
+
+def _split_body(out_pieces, n_inputs, num_microbatch, user_data):
     call = registry.get(user_data)
     if call is None:
         return 1

@@ -159,13 +159,14 @@ def candidate_paths():
         paths.append(("ROUNDPIPE_LIBRARY", env))
     for name in _LIB_NAMES:
         paths.append(("next to the package", os.path.join(_PACKAGE_DIR, name)))
-    # bindings/python/roundpipe -> repository root
+    # bindings/python/roundpipe -> repository root, when the package sits in a source checkout
     repo = os.path.normpath(os.path.join(_PACKAGE_DIR, "..", "..", ".."))
-    trees = [os.path.join(repo, "build")]
-    trees += sorted(p for p in glob.glob(os.path.join(repo, "build*"))
-                    if os.path.isdir(p) and p not in trees)
-    for tree in trees:
-        paths.append(("build tree", os.path.join(tree, "libroundpipe.so")))
+    if os.path.exists(os.path.join(repo, "include", "roundpipe.h")):
+        trees = [os.path.join(repo, "build")]
+        trees += sorted(p for p in glob.glob(os.path.join(repo, "build*"))
+                        if os.path.isdir(p) and p not in trees)
+        for tree in trees:
+            paths.append(("build tree", os.path.join(tree, "libroundpipe.so")))
     found = ctypes.util.find_library("roundpipe")
     if found:
         paths.append(("system library path", found))

@@ -2,7 +2,6 @@
 the engine takes (a JSON layer spec plus weights)."""
 
 import json
-import math
 import os
 
 import torch
@@ -156,7 +155,3 @@ def resolve_model(model):
                                         "directory. Supported: %s." % (text, SUPPORTED_INPUTS))
     raise RoundPipeUnsupportedError("cannot build a RoundPipe model from %s. Supported: %s."
                                     % (type(model).__name__, SUPPORTED_INPUTS))
-
-
-def is_finite_number(x):
-    return isinstance(x, (int, float)) and math.isfinite(x)

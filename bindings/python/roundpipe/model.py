@@ -1,7 +1,6 @@
 """RoundPipe: upstream's model API over libroundpipe."""
 
 import atexit
-import ctypes
 import functools
 import json
 import os
@@ -16,7 +15,7 @@ from torch import nn
 
 from . import _capi
 from ._callbacks import (LOSS_TRAMPOLINE, SPLIT_TRAMPOLINE, STEP_TRAMPOLINE, LossCall, SplitCall,
-                         StepCall, registry)
+                         StepCall, in_library_thread, park_handle, registry, release_parked)
 from ._capi import lib
 from ._dlpack import BorrowedInputs, from_owned
 from .config import (RoundPipeRunConfig, _is_chunk_spec, _is_reducer, _is_replicate,
@@ -169,6 +168,7 @@ def _close_live_models():
             model.close()
         except Exception:
             pass
+    release_parked()
 
 
 class RoundPipe:
@@ -273,6 +273,7 @@ class RoundPipe:
         """The ``rp_model *`` (ctypes); RoundPipeError once closed."""
         if self._handle is None:
             raise RoundPipeError(Status.STATE, "this RoundPipe model was closed")
+        release_parked()
         return self._handle
 
     def close(self):
@@ -280,8 +281,13 @@ class RoundPipe:
         before stay valid tensors."""
         handle, self._handle = self._handle, None
         if handle is not None and handle.value:
-            lib().rp_model_destroy(handle)
             _live_models.discard(self)
+            if in_library_thread():
+                # Destroying waits for this very thread: leave it to the driving thread.
+                park_handle(handle, lib().rp_model_destroy)
+            else:
+                lib().rp_model_destroy(handle)
+        release_parked()
 
     @property
     def closed(self):
