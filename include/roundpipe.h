@@ -8,7 +8,8 @@
  *
  * Conventions, for every function below:
  *   - Fallible calls return rp_status (RP_OK == 0, errors negative). On error,
- *     rp_last_error_message() on the same thread says what went wrong, and nothing was changed.
+ *     rp_last_error_message() on the same thread says what went wrong, nothing was changed, and
+ *     out-parameters are left untouched.
  *   - Out-parameters come first. Pointers are borrowed for the duration of the call unless the
  *     comment says otherwise.
  *   - Tensors cross this API only as DLPack DLManagedTensor. Inputs are borrowed for the call;
@@ -158,7 +159,8 @@ typedef void (*rp_log_fn)(int32_t level, const char *message, void *user_data);
 
 /**
  * Route library log messages at or above `min_level` to `fn` (NULL restores the default sink,
- * which writes RP_LOG_WARN and above to stderr). Any thread.
+ * which writes RP_LOG_WARN and above to stderr). When it returns, no call to the previous sink
+ * is in flight, so its user_data may be freed. Any thread.
  * @return RP_OK, or RP_ERR_INVALID_ARGUMENT for a level outside rp_log_level.
  */
 RP_API rp_status rp_set_log_callback(rp_log_fn fn, int32_t min_level, void *user_data);
@@ -498,7 +500,8 @@ RP_API rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momen
  * Asynchronous (`is_async` != 0, recommended): returns at once; the step runs on the optimizer
  * thread while the next rp_forward_backward runs on the weights from before this step
  * (staleness 1, as upstream). Synchronous: returns when the updated weights are in use.
- * Calling it waits for the previous step if that one is still running.
+ * Calling it waits for the previous step if that one is still running: whatever it returns
+ * (except RP_ERR_INVALID_ARGUMENT for bad arguments), every earlier step has finished.
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT; RP_ERR_STATE when the model already holds optimizer
  *         state of another kind; RP_ERR_CALLBACK when a previous callback step failed.
  * Thread: the thread driving this model.
@@ -523,7 +526,8 @@ RP_API rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_dat
 /**
  * Wait for every pending step, then make the latest master weights the weights in use.
  * Afterwards rp_param_master shows the latest weights and rp_param_grad the gradients
- * accumulated since the last step. Like llama_synchronize: a point where nothing is in flight.
+ * accumulated since the last step. Like llama_synchronize: a point where nothing is in flight;
+ * whatever it returns for a valid model, every step has finished and its user_data may be freed.
  * @return RP_OK, RP_ERR_INVALID_ARGUMENT, or RP_ERR_CALLBACK when an async callback step failed.
  * Thread: the thread driving this model.
  */
