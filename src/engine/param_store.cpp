@@ -1,5 +1,6 @@
 #include "engine/param_store.h"
 
+#include "engine/error.h"
 #include "engine/seed.h"
 
 namespace rp {
@@ -29,6 +30,17 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
     for (size_t l = 0; l < layers.size(); ++l) {
         at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(init_seed(seed, l));
         for (const ParamSpec &spec : layers[l]->params()) {
+            if (!spec.tied_to.empty()) {
+                int64_t shared = find(spec.tied_to);
+                require(shared >= 0, "layer " + std::to_string(l) + " (" + layers[l]->type() +
+                                         "): tied parameter \"" + spec.tied_to +
+                                         "\" does not exist in an earlier layer");
+                require(params_[shared].master.sizes() == at::IntArrayRef(spec.shape),
+                        "layer " + std::to_string(l) + " (" + layers[l]->type() +
+                            "): tied parameter \"" + spec.tied_to + "\" has another shape");
+                by_layer_[l].push_back(static_cast<size_t>(shared));
+                continue;
+            }
             Param p;
             p.name = std::to_string(l) + "." + spec.name;
             p.layer = l;

@@ -45,22 +45,42 @@ at::Tensor to_compute(const at::Tensor &x, at::Device device, at::ScalarType dty
     return x.to(device, target).detach();
 }
 
-LayerContext layer_context(const CallContext &ctx, size_t layer, size_t microbatch) {
+// What travels with microbatch m besides the activation, on the job's device.
+struct MicrobatchExtras {
+    size_t microbatch = 0;
+    std::vector<at::Tensor> side_inputs;
+    at::Tensor labels; // tail stage of a training call only
+};
+
+MicrobatchExtras extras_for(const CallContext &ctx, size_t m, at::Device device, bool tail) {
+    MicrobatchExtras e;
+    e.microbatch = m;
+    const std::vector<at::Tensor> &inputs = ctx.microbatches.inputs[m];
+    for (size_t i = 1; i < inputs.size(); ++i)
+        e.side_inputs.push_back(inputs[i].to(device));
+    if (tail && ctx.microbatches.labels[m].defined())
+        e.labels = ctx.microbatches.labels[m].to(device);
+    return e;
+}
+
+LayerContext layer_context(const CallContext &ctx, size_t layer, const MicrobatchExtras &e) {
     LayerContext lc;
     lc.training = ctx.training;
-    lc.dropout_seed = dropout_seed(ctx.seed, ctx.call_index, layer, microbatch);
+    lc.dropout_seed = dropout_seed(ctx.seed, ctx.call_index, layer, e.microbatch);
+    lc.side_inputs = &e.side_inputs;
+    lc.labels = e.labels.defined() ? &e.labels : nullptr;
     return lc;
 }
 
 at::Tensor run_layer(const CallContext &ctx, const StageWeights &w, const Stage &stage, size_t l,
-                     const at::Tensor &x, size_t m) {
-    return ctx.layers[l]->forward(w.per_layer[l - stage.first_layer], x, layer_context(ctx, l, m));
+                     const at::Tensor &x, const MicrobatchExtras &e) {
+    return ctx.layers[l]->forward(w.per_layer[l - stage.first_layer], x, layer_context(ctx, l, e));
 }
 
 at::Tensor run_stage(const CallContext &ctx, const StageWeights &w, const Stage &stage,
-                     at::Tensor x, size_t m) {
+                     at::Tensor x, const MicrobatchExtras &e) {
     for (size_t l = stage.first_layer; l < stage.end_layer; ++l)
-        x = run_layer(ctx, w, stage, l, x, m);
+        x = run_layer(ctx, w, stage, l, x, e);
     return x;
 }
 
@@ -95,7 +115,9 @@ void run_forward_job(CallContext &ctx, size_t job, size_t s, at::Device device) 
         at::Tensor x = stage_input(ctx, job, s, m);
         if (ctx.training)
             ctx.stage_inputs[s][m] = x;
-        at::Tensor y = run_stage(ctx, w, stage, to_compute(x, device, ctx.store.model_dtype()), m);
+        MicrobatchExtras extras = extras_for(ctx, m, device, false);
+        at::Tensor y =
+            run_stage(ctx, w, stage, to_compute(x, device, ctx.store.model_dtype()), extras);
         if (last)
             ctx.outputs[m] = y.to(ctx.output_device);
         else
@@ -110,7 +132,8 @@ void run_tail_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
         at::Tensor x = to_compute(stage_input(ctx, job, s, m), device, ctx.store.model_dtype());
         maybe_require_grad(x, s > 0);
-        at::Tensor y = run_stage(ctx, w, stage, x, m);
+        MicrobatchExtras extras = extras_for(ctx, m, device, true);
+        at::Tensor y = run_stage(ctx, w, stage, x, extras);
         if (ctx.keep_outputs)
             ctx.outputs[m] = y.detach().to(ctx.output_device);
         ctx.losses[m] = loss_backward(*ctx.loss, y, ctx.microbatches.labels[m], static_cast<int>(m));
@@ -129,9 +152,10 @@ void run_backward_job(CallContext &ctx, size_t job, size_t s, at::Device device)
         at::Tensor g = grad_out.defined() ? grad_out.to(device) : grad_out;
         at::Tensor x = to_compute(ctx.stage_inputs[s][m], device, ctx.store.model_dtype());
         ctx.stage_inputs[s][m] = at::Tensor(); // recompute input no longer needed: free it
+        MicrobatchExtras extras = extras_for(ctx, m, device, false);
         if (ctx.grain == RecomputeGrain::Stage) {
             maybe_require_grad(x, s > 0);
-            at::Tensor y = run_stage(ctx, w, stage, x, m);
+            at::Tensor y = run_stage(ctx, w, stage, x, extras);
             backward_if_needed(y, g);
             g = grad_of(x);
         } else {
@@ -144,14 +168,14 @@ void run_backward_job(CallContext &ctx, size_t job, size_t s, at::Device device)
                 for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
                     layer_inputs.push_back(h);
                     if (l + 1 < stage.end_layer)
-                        h = run_layer(ctx, w, stage, l, h, m);
+                        h = run_layer(ctx, w, stage, l, h, extras);
                 }
             }
             for (size_t l = stage.end_layer; l-- > stage.first_layer;) {
                 at::Tensor xi = layer_inputs[l - stage.first_layer].detach();
                 layer_inputs[l - stage.first_layer] = at::Tensor();
                 maybe_require_grad(xi, l > stage.first_layer || s > 0);
-                at::Tensor y = run_layer(ctx, w, stage, l, xi, m);
+                at::Tensor y = run_layer(ctx, w, stage, l, xi, extras);
                 backward_if_needed(y, g);
                 g = grad_of(xi);
             }
@@ -172,7 +196,11 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
     at::Tensor x = empty_batch(in);
     if (at::isFloatingType(x.scalar_type()))
         x = x.to(store.model_dtype());
+    std::vector<at::Tensor> side;
+    for (size_t i = 1; i < inputs.size(); ++i)
+        side.push_back(empty_batch(inputs[i]));
     LayerContext lc; // evaluation mode: shapes do not depend on dropout
+    lc.side_inputs = &side;
     for (size_t l = 0; l < layers.size(); ++l) {
         std::vector<at::Tensor> params;
         for (size_t pi : store.layer_params(l))

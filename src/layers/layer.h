@@ -17,12 +17,22 @@ struct ParamSpec {
     std::vector<int64_t> shape; // fixed at construction
     InitKind init = InitKind::Zeros;
     double scale = 0.0; // uniform bound or normal standard deviation
+    // Full name of an earlier layer's parameter this one shares (tied embeddings, e.g.
+    // "0.weight"); empty for a parameter of its own. A shared parameter has one master weight and
+    // its gradient is the sum over every use.
+    std::string tied_to;
 };
 
 // Per-call, per-microbatch facts a layer may need.
 struct LayerContext {
     bool training = false;
     uint64_t dropout_seed = 0; // derived from (model seed, call, layer, microbatch)
+    // The call's inputs 1.. for this microbatch (attention masks, position ids, ...), on the
+    // compute device; never null during a call (empty when the call has one input).
+    const std::vector<at::Tensor> *side_inputs = nullptr;
+    // This microbatch's labels on the compute device, given only to the layers of the fused tail
+    // stage of a training call, so a last layer can fuse its loss (undefined elsewhere).
+    const at::Tensor *labels = nullptr;
 };
 
 class Layer {
