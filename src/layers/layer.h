@@ -13,6 +13,11 @@ namespace rp {
 enum class InitKind { Uniform, Normal, Ones, Zeros };
 
 struct ParamSpec {
+    ParamSpec(std::string name_, std::vector<int64_t> shape_, InitKind init_ = InitKind::Zeros,
+              double scale_ = 0.0, std::string tied_to_ = "")
+        : name(std::move(name_)), shape(std::move(shape_)), init(init_), scale(scale_),
+          tied_to(std::move(tied_to_)) {}
+
     std::string name;           // the layer's own name, e.g. "fc1.weight"
     std::vector<int64_t> shape; // fixed at construction
     InitKind init = InitKind::Zeros;

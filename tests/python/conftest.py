@@ -17,3 +17,18 @@ if os.environ.get("ROUNDPIPE_TEST_INSTALLED") != "1" and _BINDING not in sys.pat
     sys.path.insert(0, _BINDING)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+def _torch_missing():
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        return True
+    return False
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Without torch every module skips itself at collection, which pytest reports as "no tests
+    # collected" (exit status 5); that is the clean skip ctest must see as success.
+    if exitstatus == 5 and _torch_missing():
+        session.exitstatus = 0

@@ -105,6 +105,9 @@ class LossCall:
 
     def compute(self, outputs, label):
         """(loss value, gradient of the loss with respect to `outputs`)."""
+        device = _cuda_device_of(label)
+        if device is not None:  # labels on a GPU: compute the loss there, as upstream does
+            outputs = outputs.to(device)
         with torch.enable_grad():
             outputs.requires_grad_(True)
             result = self.fn(outputs, label)
@@ -120,7 +123,23 @@ class LossCall:
         grad = outputs.grad
         if grad is None:
             grad = torch.zeros_like(outputs)
+        if grad.is_cuda:  # the engine reads it on its own streams
+            torch.cuda.current_stream(grad.device).synchronize()
         return value, grad.detach()
+
+
+def _cuda_device_of(obj):
+    """The device of the first CUDA tensor in a nest of tuples, lists and dicts, else None."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device if obj.is_cuda else None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            device = _cuda_device_of(item)
+            if device is not None:
+                return device
+    return None
 
 
 def _loss_entry(out_loss, out_grad, outputs, labels, microbatch, user_data):
