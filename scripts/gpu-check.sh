@@ -31,7 +31,7 @@ step gpu_tests ctest --test-dir "$build" -L gpu --output-on-failure
 # The CPU suite again, now with a GPU visible: CPU devices must still be chosen where asked for.
 # Rust needs cargo, which the GPU machines lack.
 step cpu_tests ctest --test-dir "$build" -L cpu -E '^rust$' -j8 --output-on-failure
-step example_gpu "$build/examples/c/train_mlp"
+step example_gpu "$build/examples/c/train_mlp" --device auto
 gpu_line=$(grep -E "tests passed|tests failed" "$out/gpu_tests.log" | tail -1)
 cpu_line=$(grep -E "tests passed|tests failed" "$out/cpu_tests.log" | tail -1)
 echo "SUMMARY: $status; gpu: ${gpu_line:-none}; cpu: ${cpu_line:-none}; device: $(head -1 "$out/gpu.txt")"

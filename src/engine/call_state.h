@@ -8,7 +8,7 @@
 #include <optional>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include "engine/device_lane.h"
 
 namespace rp {
 
@@ -18,10 +18,10 @@ struct CallAborted {};
 class CallState {
   public:
     CallState(size_t num_jobs, size_t num_microbatches)
-        : slots_(num_jobs, std::vector<std::optional<at::Tensor>>(num_microbatches)),
+        : slots_(num_jobs, std::vector<std::optional<Transfer>>(num_microbatches)),
           pending_jobs_(num_jobs) {}
 
-    void put(size_t job, size_t microbatch, at::Tensor value) {
+    void put(size_t job, size_t microbatch, Transfer value) {
         {
             std::lock_guard<std::mutex> lock(mutex_);
             slots_[job][microbatch] = std::move(value);
@@ -30,12 +30,12 @@ class CallState {
     }
 
     // Waits for and removes job `job`'s result for `microbatch`.
-    at::Tensor take(size_t job, size_t microbatch) {
+    Transfer take(size_t job, size_t microbatch) {
         std::unique_lock<std::mutex> lock(mutex_);
         changed_.wait(lock, [&] { return error_ || slots_[job][microbatch].has_value(); });
         if (error_)
             throw CallAborted{};
-        at::Tensor value = std::move(*slots_[job][microbatch]);
+        Transfer value = std::move(*slots_[job][microbatch]);
         slots_[job][microbatch].reset();
         return value;
     }
@@ -67,7 +67,7 @@ class CallState {
   private:
     std::mutex mutex_;
     std::condition_variable changed_;
-    std::vector<std::vector<std::optional<at::Tensor>>> slots_;
+    std::vector<std::vector<std::optional<Transfer>>> slots_;
     size_t pending_jobs_;
     std::exception_ptr error_;
 };

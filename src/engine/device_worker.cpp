@@ -1,12 +1,9 @@
 #include "engine/device_worker.h"
 
-#include <optional>
-
-#include <c10/core/DeviceGuard.h>
-
 namespace rp {
 
-DeviceWorker::DeviceWorker(at::Device device) : device_(device), thread_([this] { loop(); }) {}
+DeviceWorker::DeviceWorker(std::unique_ptr<DeviceLane> lane)
+    : lane_(std::move(lane)), thread_([this] { loop(); }) {}
 
 DeviceWorker::~DeviceWorker() {
     {
@@ -17,21 +14,20 @@ DeviceWorker::~DeviceWorker() {
     thread_.join();
 }
 
-void DeviceWorker::submit(std::function<void()> job) {
+void DeviceWorker::submit(std::vector<StageJob> jobs) {
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        queue_.push_back(std::move(job));
+        for (StageJob &j : jobs)
+            queue_.push_back(std::move(j));
     }
     wake_.notify_all();
 }
 
 void DeviceWorker::loop() {
-    // Kernels and allocations default to this worker's device for the thread's whole life.
-    std::optional<c10::DeviceGuard> guard;
-    if (!device_.is_cpu())
-        guard.emplace(device_);
+    lane_->enter();
     for (;;) {
-        std::function<void()> job;
+        StageJob job;
+        StageJob *next = nullptr;
         {
             std::unique_lock<std::mutex> lock(mutex_);
             wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -39,8 +35,18 @@ void DeviceWorker::loop() {
                 return;
             job = std::move(queue_.front());
             queue_.pop_front();
+            // Only this thread pops, and deque::push_back keeps references valid: `next` stays
+            // good after the lock is released.
+            if (!queue_.empty() && !queue_.front().prefetched)
+                next = &queue_.front();
         }
-        job();
+        if (!job.prefetched)
+            job.prefetch();
+        if (next) {
+            next->prefetch();
+            next->prefetched = true;
+        }
+        job.run();
     }
 }
 

@@ -42,17 +42,38 @@ void check_loss_inputs(const Loss &loss, const at::Tensor &output, const at::Ten
                 "loss RP_LOSS_CROSS_ENTROPY needs int64 labels [N] with N = " +
                     std::to_string(output.size(0)) + ", got " + shape_str(labels.sizes()));
         break;
+    case LossKind::CausalLm:
+        require(labels.defined(), "loss RP_LOSS_CAUSAL_LM needs labels (token ids, -100 for none)");
+        require(!at::isFloatingType(labels.scalar_type()),
+                "loss RP_LOSS_CAUSAL_LM needs integer labels (token ids, -100 for none)");
+        // On the empty batch of the shape check the last layer has no labels and gives logits.
+        if (output.dim() > 0 && output.size(0) == 0)
+            break;
+        require(output.numel() == 1,
+                "loss RP_LOSS_CAUSAL_LM needs a model whose last layer is an lm_head (it returns "
+                "the summed token loss when given labels); got an output of shape " +
+                    shape_str(output.sizes()));
+        break;
     case LossKind::Callback:
         break;
     }
 }
 
-double loss_backward(const Loss &loss, const at::Tensor &output, const at::Tensor &labels,
+int64_t causal_lm_target_count(const at::Tensor &labels) {
+    require(labels.dim() == 2, "causal-LM labels must be [batch, seq], got " +
+                                   shape_str(labels.sizes()));
+    if (labels.size(1) < 2)
+        return 0;
+    return labels.narrow(1, 1, labels.size(1) - 1).ne(-100).sum().item<int64_t>();
+}
+
+at::Tensor loss_backward(const Loss &loss, const at::Tensor &output, const at::Tensor &labels,
                      int microbatch) {
     if (loss.kind == LossKind::Callback) {
         at::Tensor out_cpu = output.detach().to(at::kCPU, at::kFloat).contiguous();
         at::Tensor grad;
-        double value = loss.callback(out_cpu, labels, microbatch, grad);
+        at::Tensor labels_cpu = labels.defined() ? labels.to(at::kCPU) : labels;
+        double value = loss.callback(out_cpu, labels_cpu, microbatch, grad);
         require(grad.defined() && grad.sizes() == output.sizes(),
                 "loss callback returned a gradient of shape " +
                     (grad.defined() ? shape_str(grad.sizes()) : std::string("(none)")) +
@@ -61,12 +82,13 @@ double loss_backward(const Loss &loss, const at::Tensor &output, const at::Tenso
                 "loss callback returned a gradient that is not floating point");
         at::Tensor g = grad.to(output.device(), output.scalar_type()) * loss.scale;
         torch::autograd::backward({output}, {g});
-        return value * loss.scale;
+        return at::scalar_tensor(value * loss.scale, at::TensorOptions().dtype(at::kDouble));
     }
     at::Tensor out = output.to(at::kFloat);
     at::Tensor value;
     switch (loss.kind) {
     case LossKind::Output:
+    case LossKind::CausalLm:
         check_loss_inputs(loss, output, labels);
         value = out.reshape({});
         break;
@@ -81,7 +103,7 @@ double loss_backward(const Loss &loss, const at::Tensor &output, const at::Tenso
     }
     value = value * loss.scale;
     torch::autograd::backward({value});
-    return value.item<double>();
+    return value.detach();
 }
 
 } // namespace rp

@@ -6,7 +6,10 @@
 
 namespace rp {
 
-enum class LossKind { Output, Mse, CrossEntropy, Callback };
+// CausalLm: the model's last layer (lm_head) fuses the loss and outputs the sum of its token
+// losses; the caller folds 1 / (targets of the whole call) into `scale`, so the sum over
+// microbatches is the batch mean (causal_lm_target_count).
+enum class LossKind { Output, Mse, CrossEntropy, Callback, CausalLm };
 
 // Custom loss: given the outputs (fp32, CPU) and labels of microbatch `m`, returns the loss and
 // fills `grad` with d(loss)/d(outputs). Throws rp::Error(Callback) on failure.
@@ -22,9 +25,12 @@ struct Loss {
 // Shape checks before a call runs, so bad labels fail before anything changes.
 void check_loss_inputs(const Loss &loss, const at::Tensor &output, const at::Tensor &labels);
 
+// Number of tokens with a target in causal-LM labels [batch, seq]: labels[:, 1:] != -100.
+int64_t causal_lm_target_count(const at::Tensor &labels);
+
 // Computes scale * L(output, labels) and back-propagates it through `output`'s graph.
-// Returns the loss value.
-double loss_backward(const Loss &loss, const at::Tensor &output, const at::Tensor &labels,
+// Returns the loss as a detached 0-d tensor, left on the device so no host sync happens here.
+at::Tensor loss_backward(const Loss &loss, const at::Tensor &output, const at::Tensor &labels,
                      int microbatch);
 
 } // namespace rp

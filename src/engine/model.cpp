@@ -118,8 +118,8 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     for (const auto &grads : ctx.job_grads)
         store_.add_to_grads(grads);
     double total = 0.0;
-    for (double l : ctx.losses)
-        total += l;
+    for (const at::Tensor &l : ctx.losses)
+        total += l.item<double>();
     if (outputs)
         *outputs = std::move(ctx.outputs);
     if (merge_output)

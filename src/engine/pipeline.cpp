@@ -4,7 +4,7 @@ namespace rp {
 
 Pipeline::Pipeline(const std::vector<at::Device> &devices) {
     for (const at::Device &d : devices)
-        workers_.push_back(std::make_unique<DeviceWorker>(d));
+        workers_.push_back(std::make_unique<DeviceWorker>(make_device_lane(d)));
 }
 
 void Pipeline::run(CallContext &ctx) {
@@ -14,32 +14,59 @@ void Pipeline::run(CallContext &ctx) {
     const size_t num_jobs = ctx.training ? 2 * S - 1 : S;
     CallState state(num_jobs, M);
     ctx.state = &state;
-    ctx.stage_inputs.assign(S, std::vector<at::Tensor>(M));
+    ctx.stage_inputs.assign(S, std::vector<Transfer>(M));
     ctx.outputs.assign(M, at::Tensor());
-    ctx.losses.assign(M, 0.0);
+    ctx.losses.assign(M, at::Tensor());
     ctx.job_grads.assign(num_jobs, {});
 
     const size_t G = workers_.size();
+    for (auto &w : workers_)
+        w->lane().begin_call();
+    trace_.clear();
+    std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
-        DeviceWorker &worker = *workers_[(cursor_ + job) % G];
-        at::Device device = worker.device();
-        worker.submit([&ctx, &state, job, S, device] {
+        const size_t device = (cursor_ + job) % G;
+        JobKind kind = !ctx.training || job + 1 < S ? JobKind::Forward
+                       : job + 1 == S              ? JobKind::Tail
+                                                   : JobKind::Backward;
+        size_t stage = kind == JobKind::Backward ? 2 * S - 2 - job : job;
+        trace_.push_back({job, stage, device, kind, {}});
+        DeviceLane &lane = workers_[device]->lane();
+        // The prefetch (weight upload) and the run share the uploaded weights and any failure.
+        auto weights = std::make_shared<Transfer>();
+        auto prefetch_error = std::make_shared<std::exception_ptr>();
+        StageJob j;
+        j.prefetch = [&ctx, &lane, weights, prefetch_error, stage, job] {
             try {
-                if (!ctx.training || job + 1 < S)
-                    run_forward_job(ctx, job, job, device);
-                else if (job + 1 == S)
-                    run_tail_job(ctx, job, job, device);
-                else
-                    run_backward_job(ctx, job, 2 * S - 2 - job, device);
+                *weights = upload_stage_weights(ctx, stage, lane, job);
+            } catch (...) {
+                *prefetch_error = std::current_exception();
+            }
+        };
+        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, job] {
+            try {
+                if (*prefetch_error)
+                    std::rethrow_exception(*prefetch_error);
+                run_stage_job(ctx, kind, job, stage, lane, *weights);
             } catch (const CallAborted &) {
                 // Another job failed first; its error is the one reported.
             } catch (...) {
                 state.fail(std::current_exception());
             }
+            *weights = Transfer(); // this stage's device weights may go now
             state.job_finished();
-        });
+        };
+        per_worker[device].push_back(std::move(j));
     }
+    for (size_t d = 0; d < G; ++d)
+        workers_[d]->submit(std::move(per_worker[d]));
     std::exception_ptr error = state.wait_all();
+    // The host waits for the devices only here, where the call's results are handed back.
+    for (size_t d = 0; d < G; ++d) {
+        std::vector<TraceSpan> spans = workers_[d]->lane().finish();
+        for (TraceSpan &span : spans)
+            trace_[span.job].spans.push_back(span);
+    }
     cursor_ = (cursor_ + num_jobs) % G;
     ctx.state = nullptr;
     if (error)

@@ -10,20 +10,29 @@
 
 namespace rp {
 
+// One job of the last call, for the timing record.
+struct JobTrace {
+    size_t job, stage, device;
+    JobKind kind;
+    std::vector<TraceSpan> spans;
+};
+
 class Pipeline {
   public:
     explicit Pipeline(const std::vector<at::Device> &devices);
 
     size_t num_devices() const { return workers_.size(); }
-    at::Device device(size_t i) const { return workers_[i]->device(); }
+    at::Device device(size_t i) const { return workers_[i]->lane().device(); }
 
-    // Runs every job of `ctx` and waits for all of them; rethrows the first job failure after
-    // every job has unwound.
+    // Runs every job of `ctx`, then waits for every device to finish the call's work; rethrows
+    // the first job failure after every job has unwound.
     void run(CallContext &ctx);
+    const std::vector<JobTrace> &last_trace() const { return trace_; }
 
   private:
     std::vector<std::unique_ptr<DeviceWorker>> workers_;
     size_t cursor_ = 0;
+    std::vector<JobTrace> trace_;
 };
 
 } // namespace rp

@@ -6,21 +6,22 @@
 namespace rp {
 namespace {
 
-// A stage's weights on a device, as autograd leaves when gradients are wanted.
+// A stage's weights on the device, as autograd leaves when gradients are wanted.
 struct StageWeights {
     std::vector<std::vector<at::Tensor>> per_layer;
     std::vector<std::pair<size_t, at::Tensor>> leaves; // (param index, tensor)
 };
 
-StageWeights upload_weights(const CallContext &ctx, const Stage &stage, at::Device device,
-                            bool requires_grad) {
+StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Transfer &uploaded,
+                         bool requires_grad) {
     StageWeights w;
+    size_t next = 0;
     for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
         std::vector<at::Tensor> params;
         for (size_t pi : ctx.store.layer_params(l)) {
-            // detach(): a fresh tensor object even when no copy happens (CPU devices), so autograd
-            // flags never touch the store's tensors.
-            at::Tensor t = ctx.store.at(pi).live.to(device, /*non_blocking=*/true).detach();
+            // detach(): a fresh tensor object even when no copy happened (CPU devices), so
+            // autograd flags never touch the store's tensors.
+            at::Tensor t = uploaded.tensors[next++].detach();
             if (requires_grad)
                 t.requires_grad_(true);
             params.push_back(t);
@@ -31,18 +32,32 @@ StageWeights upload_weights(const CallContext &ctx, const Stage &stage, at::Devi
     return w;
 }
 
-std::vector<std::pair<size_t, at::Tensor>> download_grads(const StageWeights &w) {
-    std::vector<std::pair<size_t, at::Tensor>> grads;
+// Gradients leave the device once per stage and call, in fp32.
+std::vector<std::pair<size_t, at::Tensor>> download_grads(const StageWeights &w, DeviceLane &lane,
+                                                          size_t job) {
+    std::vector<size_t> index;
+    std::vector<at::Tensor> grads;
     for (const auto &leaf : w.leaves)
-        if (leaf.second.grad().defined())
-            grads.emplace_back(leaf.first, leaf.second.grad().to(at::kCPU, at::kFloat));
-    return grads;
+        if (leaf.second.grad().defined()) {
+            index.push_back(leaf.first);
+            grads.push_back(leaf.second.grad().to(at::kFloat));
+        }
+    Transfer host = lane.download(grads, job);
+    std::vector<std::pair<size_t, at::Tensor>> out;
+    for (size_t i = 0; i < index.size(); ++i)
+        out.emplace_back(index[i], host.tensors[i]);
+    return out;
 }
 
-// Moves a host activation to the device in the compute dtype, as a fresh autograd leaf.
-at::Tensor to_compute(const at::Tensor &x, at::Device device, at::ScalarType dtype) {
+// A host tensor (ready after `ready`) on the device, in the compute dtype, as a fresh leaf.
+at::Tensor to_device(DeviceLane &lane, const Transfer &host, size_t job, at::ScalarType dtype) {
+    Transfer d = lane.upload(host, job);
+    lane.use(d);
+    at::Tensor x = d.tensors[0];
+    if (!x.defined())
+        return x;
     at::ScalarType target = at::isFloatingType(x.scalar_type()) ? dtype : x.scalar_type();
-    return x.to(device, target).detach();
+    return x.to(target).detach();
 }
 
 // What travels with microbatch m besides the activation, on the job's device.
@@ -52,14 +67,23 @@ struct MicrobatchExtras {
     at::Tensor labels; // tail stage of a training call only
 };
 
-MicrobatchExtras extras_for(const CallContext &ctx, size_t m, at::Device device, bool tail) {
+MicrobatchExtras extras_for(const CallContext &ctx, size_t m, DeviceLane &lane, size_t job,
+                            bool tail) {
     MicrobatchExtras e;
     e.microbatch = m;
     const std::vector<at::Tensor> &inputs = ctx.microbatches.inputs[m];
+    Transfer host;
     for (size_t i = 1; i < inputs.size(); ++i)
-        e.side_inputs.push_back(inputs[i].to(device));
-    if (tail && ctx.microbatches.labels[m].defined())
-        e.labels = ctx.microbatches.labels[m].to(device);
+        host.tensors.push_back(inputs[i]);
+    if (tail)
+        host.tensors.push_back(ctx.microbatches.labels[m]);
+    if (host.tensors.empty())
+        return e;
+    Transfer d = lane.upload(host, job);
+    lane.use(d);
+    e.side_inputs.assign(d.tensors.begin(), d.tensors.begin() + (inputs.size() - 1));
+    if (tail)
+        e.labels = d.tensors.back();
     return e;
 }
 
@@ -86,14 +110,14 @@ at::Tensor run_stage(const CallContext &ctx, const StageWeights &w, const Stage 
 
 // Input of stage `stage` for microbatch m: the call's input for the first stage, else the
 // previous job's result.
-at::Tensor stage_input(CallContext &ctx, size_t job, size_t stage, size_t m) {
+Transfer stage_input(CallContext &ctx, size_t job, size_t stage, size_t m) {
     if (stage == 0)
-        return ctx.microbatches.inputs[m][0];
+        return {{ctx.microbatches.inputs[m][0]}, nullptr};
     return ctx.state->take(job - 1, m);
 }
 
 void maybe_require_grad(at::Tensor &x, bool wanted) {
-    if (wanted && at::isFloatingType(x.scalar_type()))
+    if (wanted && x.defined() && at::isFloatingType(x.scalar_type()))
         x.requires_grad_(true);
 }
 
@@ -104,55 +128,59 @@ void backward_if_needed(const at::Tensor &y, const at::Tensor &grad) {
         torch::autograd::backward({y}, {grad});
 }
 
-} // namespace
+at::Tensor to_output_device(const CallContext &ctx, DeviceLane &lane, const at::Tensor &y,
+                            size_t job) {
+    if (ctx.output_device.is_cpu())
+        return lane.download({y}, job).tensors[0];
+    return y.to(ctx.output_device, /*non_blocking=*/true);
+}
 
-void run_forward_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
+void run_forward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const StageWeights &w) {
     const Stage &stage = ctx.stages[s];
     const bool last = s + 1 == ctx.stages.size();
     at::NoGradGuard no_grad;
-    StageWeights w = upload_weights(ctx, stage, device, false);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
-        at::Tensor x = stage_input(ctx, job, s, m);
+        Transfer in = stage_input(ctx, job, s, m);
         if (ctx.training)
-            ctx.stage_inputs[s][m] = x;
-        MicrobatchExtras extras = extras_for(ctx, m, device, false);
-        at::Tensor y =
-            run_stage(ctx, w, stage, to_compute(x, device, ctx.store.model_dtype()), extras);
+            ctx.stage_inputs[s][m] = in;
+        at::Tensor x = to_device(lane, in, job, ctx.store.model_dtype());
+        MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
+        lane.compute_begin(job);
+        at::Tensor y = run_stage(ctx, w, stage, x, extras);
+        lane.compute_end(job);
         if (last)
-            ctx.outputs[m] = y.to(ctx.output_device);
+            ctx.outputs[m] = to_output_device(ctx, lane, y, job);
         else
-            ctx.state->put(job, m, y.to(at::kCPU));
+            ctx.state->put(job, m, lane.download({y}, job));
     }
 }
 
-void run_tail_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
+void run_tail(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const StageWeights &w) {
     const Stage &stage = ctx.stages[s];
     at::AutoGradMode grad_mode(true);
-    StageWeights w = upload_weights(ctx, stage, device, true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
-        at::Tensor x = to_compute(stage_input(ctx, job, s, m), device, ctx.store.model_dtype());
+        at::Tensor x = to_device(lane, stage_input(ctx, job, s, m), job, ctx.store.model_dtype());
         maybe_require_grad(x, s > 0);
-        MicrobatchExtras extras = extras_for(ctx, m, device, true);
+        MicrobatchExtras extras = extras_for(ctx, m, lane, job, true);
+        lane.compute_begin(job);
         at::Tensor y = run_stage(ctx, w, stage, x, extras);
         if (ctx.keep_outputs)
-            ctx.outputs[m] = y.detach().to(ctx.output_device);
-        ctx.losses[m] = loss_backward(*ctx.loss, y, ctx.microbatches.labels[m], static_cast<int>(m));
-        at::Tensor g = grad_of(x);
-        ctx.state->put(job, m, g.defined() ? g.to(at::kCPU) : g);
+            ctx.outputs[m] = to_output_device(ctx, lane, y.detach(), job);
+        ctx.losses[m] = loss_backward(*ctx.loss, y, extras.labels, static_cast<int>(m));
+        lane.compute_end(job);
+        ctx.state->put(job, m, lane.download({grad_of(x)}, job));
     }
-    ctx.job_grads[job] = download_grads(w);
 }
 
-void run_backward_job(CallContext &ctx, size_t job, size_t s, at::Device device) {
+void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const StageWeights &w) {
     const Stage &stage = ctx.stages[s];
     at::AutoGradMode grad_mode(true);
-    StageWeights w = upload_weights(ctx, stage, device, true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
-        at::Tensor grad_out = ctx.state->take(job - 1, m);
-        at::Tensor g = grad_out.defined() ? grad_out.to(device) : grad_out;
-        at::Tensor x = to_compute(ctx.stage_inputs[s][m], device, ctx.store.model_dtype());
-        ctx.stage_inputs[s][m] = at::Tensor(); // recompute input no longer needed: free it
-        MicrobatchExtras extras = extras_for(ctx, m, device, false);
+        at::Tensor g = to_device(lane, ctx.state->take(job - 1, m), job, ctx.store.model_dtype());
+        at::Tensor x = to_device(lane, ctx.stage_inputs[s][m], job, ctx.store.model_dtype());
+        ctx.stage_inputs[s][m] = Transfer(); // recompute input no longer needed: free it
+        MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
+        lane.compute_begin(job);
         if (ctx.grain == RecomputeGrain::Stage) {
             maybe_require_grad(x, s > 0);
             at::Tensor y = run_stage(ctx, w, stage, x, extras);
@@ -180,9 +208,37 @@ void run_backward_job(CallContext &ctx, size_t job, size_t s, at::Device device)
                 g = grad_of(xi);
             }
         }
-        ctx.state->put(job, m, g.defined() ? g.to(at::kCPU) : g);
+        lane.compute_end(job);
+        ctx.state->put(job, m, lane.download({g}, job));
     }
-    ctx.job_grads[job] = download_grads(w);
+}
+
+} // namespace
+
+Transfer upload_stage_weights(const CallContext &ctx, size_t s, DeviceLane &lane, size_t job) {
+    std::vector<at::Tensor> host;
+    for (size_t l = ctx.stages[s].first_layer; l < ctx.stages[s].end_layer; ++l)
+        for (size_t pi : ctx.store.layer_params(l))
+            host.push_back(ctx.store.at(pi).live);
+    return lane.upload_weights(host, job);
+}
+
+void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceLane &lane,
+                   const Transfer &weights) {
+    lane.use(weights);
+    StageWeights w = make_leaves(ctx, ctx.stages[s], weights, kind != JobKind::Forward);
+    switch (kind) {
+    case JobKind::Forward:
+        run_forward(ctx, job, s, lane, w);
+        return;
+    case JobKind::Tail:
+        run_tail(ctx, job, s, lane, w);
+        break;
+    case JobKind::Backward:
+        run_backward(ctx, job, s, lane, w);
+        break;
+    }
+    ctx.job_grads[job] = download_grads(w, lane, job);
 }
 
 void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const ParamStore &store,

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "engine/call_state.h"
+#include "engine/device_lane.h"
 #include "engine/loss.h"
 #include "engine/microbatch.h"
 #include "engine/param_store.h"
@@ -15,6 +16,8 @@
 #include "layers/layer.h"
 
 namespace rp {
+
+enum class JobKind { Forward, Tail, Backward };
 
 // Everything one pipelined call shares between its jobs. Each job writes only its own slots.
 struct CallContext {
@@ -35,20 +38,24 @@ struct CallContext {
     bool keep_outputs = false;
     CallState *state = nullptr;
 
-    std::vector<std::vector<at::Tensor>> stage_inputs;         // [stage][mb], kept for recompute
-    std::vector<at::Tensor> outputs;                          // [mb]
-    std::vector<double> losses;                               // [mb]
-    std::vector<std::vector<std::pair<size_t, at::Tensor>>> job_grads; // [job]: (param, grad)
+    // Written by the jobs; read by the caller once every lane has finished.
+    std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
+    std::vector<at::Tensor> outputs;                 // [mb], on the output device
+    std::vector<at::Tensor> losses;                  // [mb], 0-d
+    std::vector<std::vector<std::pair<size_t, at::Tensor>>> job_grads; // [job]: (param, fp32 host)
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };
 
-void run_forward_job(CallContext &ctx, size_t job, size_t stage, at::Device device);
-void run_tail_job(CallContext &ctx, size_t job, size_t stage, at::Device device);
-void run_backward_job(CallContext &ctx, size_t job, size_t stage, at::Device device);
+// Starts uploading the weights of `stage` (on the lane's weight stream).
+Transfer upload_stage_weights(const CallContext &ctx, size_t stage, DeviceLane &lane, size_t job);
 
-// Runs every layer on an empty batch to reject inputs that do not fit before a call
-// changes anything. Throws InvalidArgument naming the layer.
+// Runs job `job` of `kind` for `stage` with weights from upload_stage_weights.
+void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t stage, DeviceLane &lane,
+                   const Transfer &weights);
+
+// Runs every layer on an empty batch to reject inputs that do not fit before a call changes
+// anything. Throws InvalidArgument naming the layer.
 void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const ParamStore &store,
                   const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                   const Loss *loss);

@@ -7,6 +7,7 @@
 
 #include "engine/error.h"
 #include "layers/builtin_layers.h"
+#include "layers/transformer_layers.h"
 
 namespace rp {
 namespace {
@@ -81,6 +82,17 @@ class LayerArgs {
         error("\"" + key + "\" must be one of " + list + ", got " + v->dump());
     }
 
+    std::string text(const std::string &key, const std::string &fallback) {
+        const json *v = find(key);
+        if (!v)
+            return fallback;
+        if (!v->is_string())
+            error("\"" + key + "\" must be a string, got " + v->dump());
+        return v->get<std::string>();
+    }
+
+    bool has(const std::string &key) const { return entry_.contains(key); }
+
     std::vector<int64_t> shape(const std::string &key) {
         const json *v = find(key);
         if (!v || !v->is_array() || v->empty())
@@ -118,6 +130,45 @@ class LayerArgs {
 
 const std::vector<std::string> kActivations = {"gelu", "relu", "silu", "tanh"};
 
+DecoderSpec decoder_spec(LayerArgs &a) {
+    DecoderSpec s;
+    s.dim = a.positive_int("dim");
+    s.heads = a.positive_int("heads");
+    s.kv_heads = a.has("kv_heads") ? a.positive_int("kv_heads") : s.heads;
+    if (s.heads % s.kv_heads != 0)
+        a.error("\"heads\" (" + std::to_string(s.heads) + ") must be a multiple of \"kv_heads\" (" +
+                std::to_string(s.kv_heads) + ")");
+    if (a.has("head_dim")) {
+        s.head_dim = a.positive_int("head_dim");
+    } else {
+        if (s.dim % s.heads != 0)
+            a.error("\"dim\" (" + std::to_string(s.dim) + ") is not a multiple of \"heads\" (" +
+                    std::to_string(s.heads) + "); give \"head_dim\"");
+        s.head_dim = s.dim / s.heads;
+    }
+    if (s.head_dim % 2 != 0)
+        a.error("the head dimension must be even for rotary embeddings, got " +
+                std::to_string(s.head_dim));
+    s.hidden = a.positive_int("hidden");
+    s.eps = a.number("eps", 1e-6, 0.0, 1.0, false);
+    s.qk_norm = a.boolean("qk_norm", false);
+    s.attention_bias = a.boolean("attention_bias", false);
+    s.mlp_bias = a.boolean("mlp_bias", false);
+    s.init_std = a.number("init_std", 0.02, 0.0, 1e3, false);
+    RopeSpec &r = s.rope;
+    r.theta = a.number("rope_theta", 10000.0, 1e-9, 1e30, false);
+    r.type = a.choice("rope_type", "default", {"default", "linear", "llama3"});
+    r.factor = a.number("rope_factor", 1.0, 1e-9, 1e9, false);
+    r.low_freq_factor = a.number("rope_low_freq_factor", 1.0, 1e-9, 1e9, false);
+    r.high_freq_factor = a.number("rope_high_freq_factor", 4.0, 1e-9, 1e9, false);
+    r.original_max_positions = a.has("rope_original_max_positions")
+                                   ? a.positive_int("rope_original_max_positions")
+                                   : r.original_max_positions;
+    if (r.type == "llama3" && r.low_freq_factor == r.high_freq_factor)
+        a.error("llama3 rope needs \"rope_low_freq_factor\" != \"rope_high_freq_factor\"");
+    return s;
+}
+
 std::unique_ptr<Layer> build_layer(const std::string &type, LayerArgs &a) {
     if (type == "linear") {
         int64_t in = a.positive_int("in"), out = a.positive_int("out");
@@ -151,10 +202,26 @@ std::unique_ptr<Layer> build_layer(const std::string &type, LayerArgs &a) {
     }
     if (type == "flatten")
         return make_flatten(a.integer("start_dim", 1));
+    if (type == "token_embedding") {
+        int64_t num = a.positive_int("num"), dim = a.positive_int("dim");
+        return make_token_embedding(num, dim, a.number("init_std", 0.02, 0.0, 1e3, false));
+    }
+    if (type == "decoder_layer")
+        return make_decoder_layer(decoder_spec(a));
+    if (type == "lm_head") {
+        int64_t dim = a.positive_int("dim"), vocab = a.positive_int("vocab");
+        std::string tied_to = a.text("tied_to", "");
+        double init_std = a.number("init_std", 0.02, 0.0, 1e3, false);
+        int64_t chunk = a.integer("chunk_tokens", 0);
+        if (chunk < 0)
+            a.error("\"chunk_tokens\" must be >= 0 (0: automatic), got " + std::to_string(chunk));
+        return make_lm_head(dim, vocab, tied_to, init_std, chunk);
+    }
     if (type == "reshape")
         return make_reshape(a.shape("shape"));
     a.error("unknown layer type; known types: linear, embedding, layer_norm, rms_norm, relu, gelu, "
-            "silu, tanh, dropout, residual_mlp, flatten, reshape");
+            "silu, tanh, dropout, residual_mlp, flatten, reshape, token_embedding, decoder_layer, "
+            "lm_head");
 }
 
 } // namespace

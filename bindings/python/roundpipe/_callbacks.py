@@ -9,6 +9,7 @@ would read as success): it stores the exception and returns 1; the method that m
 re-raises it once the call has returned.
 """
 
+import atexit
 import itertools
 import threading
 
@@ -123,8 +124,8 @@ class LossCall:
         grad = outputs.grad
         if grad is None:
             grad = torch.zeros_like(outputs)
-        if grad.is_cuda:  # the engine reads it on its own streams
-            torch.cuda.current_stream(grad.device).synchronize()
+        if grad.is_cuda:  # hand it back where the outputs came from (a synchronous copy)
+            grad = grad.to("cpu")
         return value, grad.detach()
 
 
@@ -307,3 +308,14 @@ def set_log_callback(fn, min_level=_capi.RP_LOG_WARN):
     except BaseException:
         _log_state["fn"] = previous
         raise
+
+
+@atexit.register
+def _restore_default_log_sink():
+    # No library thread may call into an interpreter that is shutting down.
+    if _log_state["fn"] is not None and _capi._LIB is not None:
+        try:
+            _capi._LIB.rp_set_log_callback(_capi.rp_log_fn(), _capi.RP_LOG_WARN, None)
+        except Exception:
+            pass
+        _log_state["fn"] = None

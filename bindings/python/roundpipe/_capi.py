@@ -28,7 +28,7 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_int, c_
 # those libraries once, from the wheel, for both torch and RoundPipe.
 import torch  # noqa: F401  (imported for its side effect on the dynamic loader)
 
-from .errors import LibraryNotFoundError, RoundPipeError, Status
+from .errors import LibraryNotFoundError, RoundPipeError, Status  # noqa: F401 (re-export)
 
 #: The ABI version this binding was written for (RP_ABI_VERSION in roundpipe.h).
 ABI_VERSION = 1
@@ -376,11 +376,6 @@ def status_string(status):
     """The library's name for an rp_status."""
     s = lib().rp_status_string(int(status))
     return s.decode() if s else ""
-
-
-def raise_status(status, message):
-    """Raise the binding's own RoundPipeError (for checks made on the Python side)."""
-    raise RoundPipeError(status, message)
 
 
 __all__ = ["lib", "load_library", "library_path", "candidate_paths", "ABI_VERSION", "Status"]

@@ -1,0 +1,175 @@
+// The GPU lane: four streams per GPU, ordered by CUDA events; pinned host memory for every
+// device-to-host copy, so copies in both directions are asynchronous.
+#include "engine/device_lane.h"
+#include "engine/error.h"
+
+#ifdef RP_HAVE_CUDA
+#include <mutex>
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace rp {
+namespace {
+
+using Event = at::cuda::CUDAEvent;
+
+// Weight copies are split into pieces of this size so that an activation upload queued on the
+// other stream waits for at most one piece, not a whole stage's weights.
+constexpr int64_t kChunkBytes = 32 << 20;
+
+std::shared_ptr<Event> record(const c10::cuda::CUDAStream &stream) {
+    auto e = std::make_shared<Event>(cudaEventDefault); // timing on: the record needs it
+    e->record(stream);
+    return e;
+}
+
+class CudaLane final : public DeviceLane {
+  public:
+    explicit CudaLane(at::Device device)
+        : device_(device), weights_(c10::cuda::getStreamFromPool(false, device.index())),
+          activations_(c10::cuda::getStreamFromPool(true, device.index())),
+          compute_(c10::cuda::getStreamFromPool(false, device.index())),
+          download_(c10::cuda::getStreamFromPool(true, device.index())) {}
+
+    at::Device device() const override { return device_; }
+
+    void enter() override {
+        c10::cuda::set_device(device_.index());
+        c10::cuda::setCurrentCUDAStream(compute_);
+    }
+
+    void begin_call() override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        marks_.clear();
+        c10::cuda::CUDAGuard guard(device_);
+        // One zero event per stream, all recorded now: spans on different streams compare.
+        zero_ = record(compute_);
+    }
+
+    Transfer upload_weights(const std::vector<at::Tensor> &host, size_t job) override {
+        c10::cuda::CUDAStreamGuard guard(weights_);
+        auto start = record(weights_);
+        Transfer t;
+        for (const at::Tensor &h : host) {
+            // Allocated on the weight stream and marked for compute, so the caching allocator
+            // never hands this memory to a later upload while compute still reads it.
+            at::Tensor d = at::empty(h.sizes(), h.options().device(device_).pinned_memory(false));
+            const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / h.element_size());
+            at::Tensor src = h.reshape(-1), dst = d.view(-1);
+            for (int64_t off = 0; off < src.numel(); off += per_chunk) {
+                int64_t n = std::min(per_chunk, src.numel() - off);
+                dst.narrow(0, off, n).copy_(src.narrow(0, off, n), /*non_blocking=*/true);
+            }
+            d.record_stream(compute_);
+            t.tensors.push_back(d);
+        }
+        auto end = record(weights_);
+        t.ready = end;
+        mark("weights", job, start, end);
+        return t;
+    }
+
+    Transfer upload(const Transfer &from, size_t job) override {
+        c10::cuda::CUDAStreamGuard guard(activations_);
+        if (from.ready)
+            std::static_pointer_cast<Event>(from.ready)->block(activations_);
+        auto start = record(activations_);
+        Transfer t;
+        for (const at::Tensor &h : from.tensors) {
+            if (!h.defined()) {
+                t.tensors.push_back(h);
+                continue;
+            }
+            at::Tensor d = h.to(device_, /*non_blocking=*/true);
+            d.record_stream(compute_);
+            t.tensors.push_back(d);
+        }
+        auto end = record(activations_);
+        t.ready = end;
+        mark("activation_upload", job, start, end);
+        return t;
+    }
+
+    void use(const Transfer &transfer) override {
+        if (transfer.ready)
+            std::static_pointer_cast<Event>(transfer.ready)->block(compute_);
+    }
+
+    Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job) override {
+        auto computed = record(compute_);
+        c10::cuda::CUDAStreamGuard guard(download_);
+        computed->block(download_);
+        auto start = record(download_);
+        Transfer t;
+        for (const at::Tensor &d : device_tensors) {
+            if (!d.defined() || !d.is_cuda()) {
+                t.tensors.push_back(d);
+                continue;
+            }
+            at::Tensor h = at::empty(d.sizes(), d.options().device(at::kCPU).pinned_memory(true));
+            h.copy_(d, /*non_blocking=*/true);
+            d.record_stream(download_);
+            t.tensors.push_back(h);
+        }
+        auto end = record(download_);
+        t.ready = end;
+        mark("download", job, start, end);
+        return t;
+    }
+
+    void compute_begin(size_t) override { compute_start_ = record(compute_); }
+    void compute_end(size_t job) override { mark("compute", job, compute_start_, record(compute_)); }
+
+    std::vector<TraceSpan> finish() override {
+        c10::cuda::CUDAGuard guard(device_);
+        for (auto *s : {&weights_, &activations_, &compute_, &download_})
+            s->synchronize();
+        std::lock_guard<std::mutex> lock(mutex_);
+        std::vector<TraceSpan> spans;
+        for (const Mark &m : marks_)
+            spans.push_back({m.what, m.job, zero_->elapsed_time(*m.start),
+                             zero_->elapsed_time(*m.end)});
+        marks_.clear();
+        return spans;
+    }
+
+  private:
+    struct Mark {
+        std::string what;
+        size_t job;
+        std::shared_ptr<Event> start, end;
+    };
+
+    void mark(const char *what, size_t job, std::shared_ptr<Event> start,
+              std::shared_ptr<Event> end) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        marks_.push_back({what, job, std::move(start), std::move(end)});
+    }
+
+    at::Device device_;
+    c10::cuda::CUDAStream weights_, activations_, compute_, download_;
+    std::mutex mutex_;
+    std::shared_ptr<Event> zero_;
+    std::shared_ptr<Event> compute_start_;
+    std::vector<Mark> marks_;
+};
+
+} // namespace
+
+std::unique_ptr<DeviceLane> make_cuda_lane(at::Device device) {
+    return std::make_unique<CudaLane>(device);
+}
+
+} // namespace rp
+
+#else // no CUDA in this libtorch
+
+namespace rp {
+std::unique_ptr<DeviceLane> make_cuda_lane(at::Device) {
+    fail(ErrorKind::Cuda, "this RoundPipe was built against a libtorch without CUDA");
+}
+} // namespace rp
+
+#endif

@@ -1,0 +1,58 @@
+// How a stage job moves data to and from its device. On a GPU: four CUDA streams (weight upload,
+// activation upload, compute, download) ordered by events, so the worker thread only enqueues and
+// the host never waits; on a CPU device every transfer is the identity. Each lane also records
+// when its transfers and compute ran, for the timing record.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace rp {
+
+// Tensors plus the marker of when they are ready (a CUDA event on GPUs; null: ready now).
+struct Transfer {
+    std::vector<at::Tensor> tensors;
+    std::shared_ptr<void> ready;
+};
+
+// One interval of the timing record, in milliseconds since the lane's call start.
+struct TraceSpan {
+    std::string what; // "weights", "activation_upload", "compute", "download"
+    size_t job = 0;
+    double start_ms = 0, end_ms = 0;
+};
+
+class DeviceLane {
+  public:
+    virtual ~DeviceLane() = default;
+    virtual at::Device device() const = 0;
+
+    // Worker thread start: make the compute stream current for the thread's life.
+    virtual void enter() {}
+    // Start of a call (caller thread): zero point of the timing record.
+    virtual void begin_call() = 0;
+
+    // All on the worker thread:
+    // Host weights -> device, on the weight stream. Large tensors go in pieces so that activation
+    // copies queued meanwhile are not stuck behind a whole stage.
+    virtual Transfer upload_weights(const std::vector<at::Tensor> &host, size_t job) = 0;
+    // Host activation (ready after `from.ready`) -> device, on the activation stream.
+    virtual Transfer upload(const Transfer &from, size_t job) = 0;
+    // Makes the compute stream wait for a transfer.
+    virtual void use(const Transfer &transfer) = 0;
+    // Device tensors -> pinned host memory after the compute so far, on the download stream.
+    virtual Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job) = 0;
+    // Brackets compute for the timing record.
+    virtual void compute_begin(size_t job) = 0;
+    virtual void compute_end(size_t job) = 0;
+
+    // Caller thread, at the end of a call: waits for everything this lane enqueued and returns
+    // the call's timing record.
+    virtual std::vector<TraceSpan> finish() = 0;
+};
+
+std::unique_ptr<DeviceLane> make_device_lane(at::Device device);
+
+} // namespace rp

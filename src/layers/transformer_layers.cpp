@@ -1,0 +1,341 @@
+#include "layers/transformer_layers.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace rp {
+namespace {
+
+// Chunks of the fused loss hold at most this many logits (128 MiB in fp32): small next to the
+// weights of any model worth pipelining, large enough that each chunk's matmul is efficient.
+constexpr int64_t kChunkLogits = int64_t{1} << 25;
+
+ParamSpec normal_param(const std::string &name, std::vector<int64_t> shape, double std) {
+    return {name, std::move(shape), InitKind::Normal, std};
+}
+
+// Hugging Face's LlamaRMSNorm / Qwen3RMSNorm: normalise in fp32, round to the input dtype, then
+// scale.
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    at::Tensor xf = x.to(at::kFloat);
+    at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
+    return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor linear(const at::Tensor &x, const std::vector<at::Tensor> &p, int weight, int bias) {
+    return bias >= 0 ? at::linear(x, p[weight], p[bias]) : at::linear(x, p[weight]);
+}
+
+at::Tensor rotate_half(const at::Tensor &x) {
+    const int64_t half = x.size(-1) / 2;
+    return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// Inverse frequencies of the rotary embedding, computed with the same fp32 CPU operations as
+// transformers' rope initialisers so that positions rotate by bit-identical angles.
+at::Tensor inverse_frequencies(const RopeSpec &rope, int64_t head_dim) {
+    at::Tensor exponent = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kFloat)) /
+                          static_cast<double>(head_dim);
+    at::Tensor inv = at::pow(rope.theta, exponent).reciprocal();
+    if (rope.type == "linear")
+        return inv / rope.factor;
+    if (rope.type != "llama3")
+        return inv;
+    const double old_len = static_cast<double>(rope.original_max_positions);
+    const double low_wavelen = old_len / rope.low_freq_factor;
+    const double high_wavelen = old_len / rope.high_freq_factor;
+    at::Tensor wavelen = inv.reciprocal() * (2.0 * M_PI);
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / rope.factor, inv);
+    at::Tensor smooth = (wavelen.reciprocal() * old_len - rope.low_freq_factor) /
+                        (rope.high_freq_factor - rope.low_freq_factor);
+    at::Tensor smoothed = (1.0 - smooth) * scaled / rope.factor + smooth * scaled;
+    at::Tensor medium = at::logical_not(wavelen < high_wavelen) *
+                        at::logical_not(wavelen > low_wavelen);
+    return at::where(medium, smoothed, scaled);
+}
+
+class TokenEmbedding final : public Layer {
+  public:
+    TokenEmbedding(int64_t num, int64_t dim, double init_std) : num_(num) {
+        params_.push_back(normal_param("weight", {num, dim}, init_std));
+    }
+    std::string type() const override { return "token_embedding"; }
+    int64_t vocab() const { return num_; }
+    at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &ids,
+                       const LayerContext &) const override {
+        TORCH_CHECK_VALUE(!at::isFloatingType(ids.scalar_type()),
+                          "token_embedding needs integer token ids, got ",
+                          c10::toString(ids.scalar_type()));
+        return at::embedding(p[0], ids);
+    }
+    double cost_estimate() const override { return 1024.0; } // a gather, not a matmul
+
+  private:
+    int64_t num_;
+};
+
+class DecoderLayer final : public Layer {
+  public:
+    explicit DecoderLayer(const DecoderSpec &s)
+        : s_(s), inv_freq_(inverse_frequencies(s.rope, s.head_dim)) {
+        const int64_t q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+        auto add = [this](ParamSpec p) {
+            params_.push_back(std::move(p));
+            return static_cast<int>(params_.size() - 1);
+        };
+        auto bias = [&](bool on, const std::string &name, int64_t n) {
+            return on ? add({name, {n}, InitKind::Zeros, 0.0}) : -1;
+        };
+        // Hugging Face's module order, so the parameters list like a state dict.
+        q_w_ = add(normal_param("self_attn.q_proj.weight", {q, s.dim}, s.init_std));
+        q_b_ = bias(s.attention_bias, "self_attn.q_proj.bias", q);
+        k_w_ = add(normal_param("self_attn.k_proj.weight", {kv, s.dim}, s.init_std));
+        k_b_ = bias(s.attention_bias, "self_attn.k_proj.bias", kv);
+        v_w_ = add(normal_param("self_attn.v_proj.weight", {kv, s.dim}, s.init_std));
+        v_b_ = bias(s.attention_bias, "self_attn.v_proj.bias", kv);
+        o_w_ = add(normal_param("self_attn.o_proj.weight", {s.dim, q}, s.init_std));
+        o_b_ = bias(s.attention_bias, "self_attn.o_proj.bias", s.dim);
+        if (s.qk_norm) {
+            q_norm_ = add({"self_attn.q_norm.weight", {s.head_dim}, InitKind::Ones, 0.0});
+            k_norm_ = add({"self_attn.k_norm.weight", {s.head_dim}, InitKind::Ones, 0.0});
+        }
+        gate_w_ = add(normal_param("mlp.gate_proj.weight", {s.hidden, s.dim}, s.init_std));
+        gate_b_ = bias(s.mlp_bias, "mlp.gate_proj.bias", s.hidden);
+        up_w_ = add(normal_param("mlp.up_proj.weight", {s.hidden, s.dim}, s.init_std));
+        up_b_ = bias(s.mlp_bias, "mlp.up_proj.bias", s.hidden);
+        down_w_ = add(normal_param("mlp.down_proj.weight", {s.dim, s.hidden}, s.init_std));
+        down_b_ = bias(s.mlp_bias, "mlp.down_proj.bias", s.dim);
+        in_norm_ = add({"input_layernorm.weight", {s.dim}, InitKind::Ones, 0.0});
+        post_norm_ = add({"post_attention_layernorm.weight", {s.dim}, InitKind::Ones, 0.0});
+    }
+
+    std::string type() const override { return "decoder_layer"; }
+
+    at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
+                       const LayerContext &ctx) const override {
+        TORCH_CHECK_VALUE(x.dim() == 3 && x.size(2) == s_.dim,
+                          "decoder_layer needs hidden states [batch, seq, ", s_.dim, "], got ",
+                          x.sizes());
+        const int64_t b = x.size(0), t = x.size(1);
+        const std::vector<at::Tensor> none;
+        const std::vector<at::Tensor> &side = ctx.side_inputs ? *ctx.side_inputs : none;
+        at::Tensor mask = side.size() > 0 ? side[0] : at::Tensor();
+        at::Tensor positions = side.size() > 1 ? side[1] : at::Tensor();
+
+        at::Tensor h = rms_norm(x, p[in_norm_], s_.eps);
+        at::Tensor q = linear(h, p, q_w_, q_b_).view({b, t, s_.heads, s_.head_dim});
+        at::Tensor k = linear(h, p, k_w_, k_b_).view({b, t, s_.kv_heads, s_.head_dim});
+        at::Tensor v = linear(h, p, v_w_, v_b_).view({b, t, s_.kv_heads, s_.head_dim});
+        if (s_.qk_norm) {
+            q = rms_norm(q, p[q_norm_], s_.eps);
+            k = rms_norm(k, p[k_norm_], s_.eps);
+        }
+        q = q.transpose(1, 2);
+        k = k.transpose(1, 2);
+        v = v.transpose(1, 2);
+
+        at::Tensor cos, sin;
+        rotary(positions, b, t, x, cos, sin);
+        q = q * cos + rotate_half(q) * sin;
+        k = k * cos + rotate_half(k) * sin;
+        k = repeat_kv(k);
+        v = repeat_kv(v);
+
+        at::Tensor attn;
+        if (mask.defined()) {
+            TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == b && mask.size(1) == t,
+                              "decoder_layer: the attention mask (input 1) must be [batch, seq] = "
+                              "[", b, ", ", t, "], got ", mask.sizes());
+            at::Tensor keep = mask.ne(0).view({b, 1, 1, t});
+            at::Tensor causal =
+                at::ones({t, t}, x.options().dtype(at::kBool)).tril_();
+            // A query always sees itself: a row that padding would empty entirely (left
+            // padding) stays finite, and rows with any visible key are unchanged by it.
+            at::Tensor self = at::eye(t, x.options().dtype(at::kBool));
+            at::Tensor allowed = at::logical_or(at::logical_and(causal, keep), self);
+            attn = at::scaled_dot_product_attention(q, k, v, allowed);
+        } else {
+            attn = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+        }
+        attn = attn.transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim});
+        at::Tensor out = x + linear(attn, p, o_w_, o_b_);
+
+        at::Tensor h2 = rms_norm(out, p[post_norm_], s_.eps);
+        at::Tensor mlp = at::silu(linear(h2, p, gate_w_, gate_b_)) * linear(h2, p, up_w_, up_b_);
+        return out + linear(mlp, p, down_w_, down_b_);
+    }
+
+  private:
+    // cos and sin [batch or 1, 1, seq, head_dim] in x's dtype, as transformers'
+    // LlamaRotaryEmbedding computes them (angles in fp32, then rounded).
+    void rotary(const at::Tensor &positions, int64_t b, int64_t t, const at::Tensor &x,
+                at::Tensor &cos, at::Tensor &sin) const {
+        at::Tensor pos;
+        if (positions.defined()) {
+            TORCH_CHECK_VALUE(!at::isFloatingType(positions.scalar_type()),
+                              "decoder_layer: position ids (input 2) must be integers");
+            TORCH_CHECK_VALUE(positions.dim() == 2 && (positions.size(0) == b ||
+                                                       positions.size(0) == 1) &&
+                                  positions.size(1) == t,
+                              "decoder_layer: position ids (input 2) must be [batch, seq] = [", b,
+                              ", ", t, "] or [1, ", t, "], got ", positions.sizes());
+            pos = positions;
+        } else {
+            pos = at::arange(t, x.options().dtype(at::kLong)).unsqueeze(0);
+        }
+        at::Tensor inv = inv_freq_.to(x.device(), /*non_blocking=*/true);
+        at::Tensor freqs = pos.unsqueeze(-1).to(at::kFloat) * inv;
+        at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);
+        cos = emb.cos().to(x.scalar_type());
+        sin = emb.sin().to(x.scalar_type());
+    }
+
+    at::Tensor repeat_kv(const at::Tensor &x) const {
+        const int64_t rep = s_.heads / s_.kv_heads;
+        if (rep == 1)
+            return x;
+        const int64_t b = x.size(0), t = x.size(2);
+        return x.unsqueeze(2)
+            .expand({b, s_.kv_heads, rep, t, s_.head_dim})
+            .reshape({b, s_.heads, t, s_.head_dim});
+    }
+
+    DecoderSpec s_;
+    at::Tensor inv_freq_; // fp32 CPU constant, never trained
+    int q_w_, q_b_, k_w_, k_b_, v_w_, v_b_, o_w_, o_b_;
+    int q_norm_ = -1, k_norm_ = -1;
+    int gate_w_, gate_b_, up_w_, up_b_, down_w_, down_b_;
+    int in_norm_, post_norm_;
+};
+
+// Sum over tokens with a target of cross_entropy(h W^T, target), `chunk` tokens at a time.
+// The fused tail stage always back-propagates right after the forward, so the gradients are
+// computed in the same pass over the chunks (the logits of a chunk are made once) and scaled by
+// the incoming gradient in backward.
+class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss> {
+  public:
+    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &h,
+                              const at::Tensor &w, const at::Tensor &targets, int64_t chunk,
+                              bool want_grad) {
+        const int64_t n = h.size(0);
+        const bool low_precision = h.scalar_type() != at::kFloat;
+        at::Tensor total = at::zeros({}, h.options().dtype(at::kFloat));
+        at::Tensor grad_h, grad_w;
+        if (want_grad) {
+            grad_h = at::empty_like(h);
+            // Low-precision weights: accumulate the chunks' contributions in fp32.
+            grad_w = at::zeros(w.sizes(), w.options().dtype(at::kFloat));
+        }
+        for (int64_t start = 0; start < n; start += chunk) {
+            const int64_t len = std::min(chunk, n - start);
+            at::Tensor hc = h.narrow(0, start, len);
+            at::Tensor tc = targets.narrow(0, start, len);
+            // Logits in the compute dtype, then fp32, as transformers' loss upcasts them.
+            at::Tensor logits = at::linear(hc, w).to(at::kFloat);
+            at::Tensor valid = tc.ne(kIgnoreIndex);
+            at::Tensor index = at::where(valid, tc, at::zeros_like(tc)).unsqueeze(1);
+            at::Tensor validf = valid.to(at::kFloat);
+            at::Tensor lse = at::logsumexp(logits, {1});
+            at::Tensor picked = logits.gather(1, index).squeeze(1);
+            total.add_(((lse - picked) * validf).sum());
+            if (!want_grad)
+                continue;
+            // d(loss)/d(logits) = softmax - one_hot(target), zero for tokens without a target.
+            logits.sub_(lse.unsqueeze(1)).exp_();
+            logits.scatter_add_(1, index, at::full({len, 1}, -1.0, logits.options()));
+            logits.mul_(validf.unsqueeze(1));
+            at::Tensor g = logits.to(h.scalar_type());
+            logits = at::Tensor();
+            grad_h.narrow(0, start, len).copy_(at::mm(g, w));
+            if (low_precision)
+                grad_w.add_(at::mm(g.t(), hc));
+            else
+                grad_w.addmm_(g.t(), hc);
+        }
+        ctx->saved_data["grad_h"] = grad_h;
+        ctx->saved_data["grad_w"] = grad_w;
+        ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
+        return total;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grad_out) {
+        at::Tensor grad_h = ctx->saved_data["grad_h"].toTensor();
+        at::Tensor grad_w = ctx->saved_data["grad_w"].toTensor();
+        TORCH_CHECK(grad_h.defined(), "lm_head: the fused loss was computed without gradients");
+        const at::Tensor &g = grad_out[0];
+        auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+        at::Tensor gh = grad_h * g.to(grad_h.scalar_type());
+        at::Tensor gw = (grad_w * g).to(w_dtype);
+        return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+class LmHead final : public Layer {
+  public:
+    LmHead(int64_t dim, int64_t vocab, const std::string &tied_to, double init_std,
+           int64_t chunk_tokens)
+        : dim_(dim), vocab_(vocab), chunk_tokens_(chunk_tokens) {
+        params_.push_back({"weight", {vocab, dim}, InitKind::Normal, init_std, tied_to});
+    }
+    std::string type() const override { return "lm_head"; }
+    int64_t vocab() const { return vocab_; }
+
+    at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
+                       const LayerContext &ctx) const override {
+        TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == dim_, "lm_head needs inputs [..., ",
+                          dim_, "], got ", x.sizes());
+        const at::Tensor &w = p[0];
+        if (!ctx.labels || !ctx.labels->defined() || at::isFloatingType(ctx.labels->scalar_type()))
+            return at::linear(x, w);
+        const at::Tensor &labels = *ctx.labels;
+        TORCH_CHECK_VALUE(x.dim() == 3 && labels.dim() == 2 && labels.size(0) == x.size(0) &&
+                              labels.size(1) == x.size(1),
+                          "lm_head: labels must be [batch, seq] like the token ids; got labels ",
+                          labels.sizes(), " for hidden states ", x.sizes());
+        const int64_t b = x.size(0), t = x.size(1);
+        // Token i predicts label i + 1; the last token of each row has no target.
+        at::Tensor targets = at::cat({labels.narrow(1, 1, std::max<int64_t>(t - 1, 0)).to(at::kLong),
+                                      at::full({b, std::min<int64_t>(t, 1)}, kIgnoreIndex,
+                                               labels.options().dtype(at::kLong))},
+                                     1)
+                                 .reshape({-1});
+        at::Tensor h = x.reshape({-1, dim_});
+        const int64_t chunk =
+            chunk_tokens_ > 0 ? chunk_tokens_ : std::max<int64_t>(1, kChunkLogits / vocab_);
+        const bool want_grad = at::GradMode::is_enabled() && (h.requires_grad() || w.requires_grad());
+        return ChunkedCausalLmLoss::apply(h, w, targets, chunk, want_grad);
+    }
+
+  private:
+    int64_t dim_;
+    int64_t vocab_;
+    int64_t chunk_tokens_;
+};
+
+} // namespace
+
+std::unique_ptr<Layer> make_token_embedding(int64_t num, int64_t dim, double init_std) {
+    return std::make_unique<TokenEmbedding>(num, dim, init_std);
+}
+
+std::unique_ptr<Layer> make_decoder_layer(const DecoderSpec &spec) {
+    return std::make_unique<DecoderLayer>(spec);
+}
+
+std::unique_ptr<Layer> make_lm_head(int64_t dim, int64_t vocab, const std::string &tied_to,
+                                    double init_std, int64_t chunk_tokens) {
+    return std::make_unique<LmHead>(dim, vocab, tied_to, init_std, chunk_tokens);
+}
+
+int64_t token_layer_vocab(const Layer &layer) {
+    if (auto *e = dynamic_cast<const TokenEmbedding *>(&layer))
+        return e->vocab();
+    if (auto *h = dynamic_cast<const LmHead *>(&layer))
+        return h->vocab();
+    return 0;
+}
+
+} // namespace rp

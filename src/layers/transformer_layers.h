@@ -1,0 +1,59 @@
+// Layers of decoder-only transformers of the Llama and Qwen3 families: token embedding, decoder
+// layer (pre-norm attention with RoPE and grouped-query heads, SwiGLU MLP) and the LM head that
+// fuses the causal-LM loss. docs/semantics.md states what each computes.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "layers/layer.h"
+
+namespace rp {
+
+// Label value that marks a token without a target (Hugging Face's ignore_index).
+constexpr int64_t kIgnoreIndex = -100;
+
+// Rotary position embedding: the inverse frequencies of Hugging Face's "default", "linear" and
+// "llama3" rope types.
+struct RopeSpec {
+    double theta = 10000.0;
+    std::string type = "default";
+    double factor = 1.0;                    // linear, llama3
+    double low_freq_factor = 1.0;           // llama3
+    double high_freq_factor = 4.0;          // llama3
+    int64_t original_max_positions = 8192;  // llama3
+};
+
+struct DecoderSpec {
+    int64_t dim = 0;
+    int64_t heads = 0;
+    int64_t kv_heads = 0;
+    int64_t head_dim = 0;
+    int64_t hidden = 0; // MLP intermediate size
+    double eps = 1e-6;
+    RopeSpec rope;
+    bool qk_norm = false; // Qwen3: RMSNorm over each query and key head
+    bool attention_bias = false;
+    bool mlp_bias = false;
+    double init_std = 0.02;
+};
+
+// Rows of `weight` [num, dim] at the token ids (input 0): normal(0, init_std) initialisation.
+std::unique_ptr<Layer> make_token_embedding(int64_t num, int64_t dim, double init_std);
+
+// One decoder layer. Side inputs: [0] attention mask [batch, seq] (non-zero: attend), [1]
+// position ids [batch, seq] or [1, seq]; both optional.
+std::unique_ptr<Layer> make_decoder_layer(const DecoderSpec &spec);
+
+// Projection to the vocabulary. With integer labels in its context (training, fused tail stage)
+// it returns the sum of the shifted token cross entropies of the microbatch as a 0-d fp32
+// tensor, computed `chunk_tokens` tokens at a time (0: automatic) so the logits of the whole
+// microbatch never exist; otherwise it returns the logits. `tied_to` names an earlier layer's
+// parameter ("0.weight") to share, or is empty.
+std::unique_ptr<Layer> make_lm_head(int64_t dim, int64_t vocab, const std::string &tied_to,
+                                    double init_std, int64_t chunk_tokens);
+
+// Vocabulary size of a token_embedding or lm_head layer; 0 for any other layer.
+int64_t token_layer_vocab(const Layer &layer);
+
+} // namespace rp
