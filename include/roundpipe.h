@@ -381,7 +381,13 @@ RP_API void rp_tensor_list_destroy(rp_tensor_list *list);
 typedef enum rp_loss_kind {
     RP_LOSS_OUTPUT = 0,       /**< the model's output is the loss (must be a 0-d tensor) */
     RP_LOSS_MSE = 1,          /**< mean squared error against float labels of the same shape */
-    RP_LOSS_CROSS_ENTROPY = 2 /**< mean cross entropy of logits [N, C] against int64 labels [N] */
+    RP_LOSS_CROSS_ENTROPY = 2, /**< mean cross entropy of logits [N, C] against int64 labels [N] */
+    /** Causal-LM cross entropy, fused into a last `lm_head` layer and computed in chunks (the
+     * logits of a batch never exist at once). Labels: integer token ids [batch, seq] shaped like
+     * input 0, -100 where a token has no target; token i is scored against label i + 1. The loss
+     * is the mean over every target of the call: each microbatch contributes its summed token
+     * losses divided by the number of targets in the whole call (docs/semantics.md). */
+    RP_LOSS_CAUSAL_LM = 3
 } rp_loss_kind;
 
 /** A loss: built-in or callback, times a scale factor. */
@@ -428,7 +434,7 @@ RP_API void rp_loss_destroy(rp_loss *loss);
  * @param out_outputs receives the outputs (one tensor when merged, else one per microbatch);
  *        caller frees with rp_tensor_list_destroy.
  * @param inputs n_inputs (1..64) borrowed DLPack tensors, contiguous, in host memory (kDLCPU or
- *        kDLCUDAHost), of dtype float32, float16, bfloat16 (converted to the model dtype), int64
+ *        kDLCUDAHost) or, for a model on GPUs, in the memory of a visible GPU (kDLCUDA), of dtype float32, float16, bfloat16 (converted to the model dtype), int64
  *        or int32. inputs[0] feeds the first layer; the others are split alongside it.
  * @param config per-call overrides, borrowed; NULL uses the model's configuration.
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT for bad tensors or configuration; RP_ERR_CALLBACK
@@ -585,6 +591,76 @@ RP_API rp_status rp_model_save(rp_model *model, const char *path);
  * Synchronizes first. Optimizer state is kept; accumulated gradients are dropped.
  * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (message names the file and tensor). */
 RP_API rp_status rp_model_load(rp_model *model, const char *path);
+
+/* ---------------------------------------------------------------------------------------------
+ * Hugging Face models (Qwen3ForCausalLM, LlamaForCausalLM)
+ *
+ * A Hugging Face directory holds config.json and the weights, as model.safetensors or as shards
+ * listed by model.safetensors.index.json. The model is the layer list token_embedding,
+ * num_hidden_layers x decoder_layer, rms_norm, lm_head (docs/semantics.md); parameter "0.weight"
+ * is "model.embed_tokens.weight", "<i>.<name>" of decoder layer i is
+ * "model.layers.<i - 1>.<name>", then "model.norm.weight" and "lm_head.weight" (absent when
+ * tie_word_embeddings: the LM head shares "0.weight").
+ * Inputs of rp_forward / rp_forward_backward: input 0 token ids [batch, seq] (int64 or int32);
+ * optional input 1 attention mask [batch, seq] (non-zero: a real token, 0: padding); optional
+ * input 2 position ids [batch, seq] (default 0 .. seq - 1 in every row). rp_forward returns the
+ * logits [batch, seq, vocab]; train with RP_LOSS_CAUSAL_LM and token labels.
+ * ------------------------------------------------------------------------------------------- */
+
+/**
+ * Build a model from a Hugging Face model directory: config.json and its weights, read through
+ * memory maps and converted to the model dtype (stored as float32, float16 or bfloat16).
+ * @param out_model receives the model; caller frees with rp_model_destroy.
+ * @param dir the directory, borrowed.
+ * @param options borrowed; NULL means defaults (the seed is unused).
+ * @return RP_OK; RP_ERR_IO for a missing, corrupt or truncated file, a missing shard, a missing
+ *         tensor or one of the wrong shape or dtype (the message names the file and the tensor);
+ *         RP_ERR_INVALID_ARGUMENT for an unsupported architecture or feature (the message names
+ *         the config key) or bad options; RP_ERR_CUDA; RP_ERR_OUT_OF_MEMORY.
+ * Thread: any thread.
+ */
+RP_API rp_status rp_model_create_from_hf(rp_model **out_model, const char *dir,
+                                         const rp_model_options *options);
+
+/**
+ * Build a model from the text of a Hugging Face config.json, with weights initialised from the
+ * seed as transformers does (normal(0, initializer_range) for embeddings and projections, ones
+ * for norms, zeros for biases). For benchmarks and tests; rp_model_save_hf writes it as a
+ * single-file checkpoint.
+ * @param out_model receives the model; caller frees with rp_model_destroy.
+ * @param config_json NUL-terminated JSON text, borrowed.
+ * @param options borrowed; NULL means defaults.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT for bad JSON, an unsupported architecture or feature,
+ *         or bad options; RP_ERR_CUDA; RP_ERR_OUT_OF_MEMORY.
+ * Thread: any thread.
+ */
+RP_API rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *config_json,
+                                                const rp_model_options *options);
+
+/**
+ * Load the weights of a Hugging Face directory into a model built by rp_model_create_from_hf or
+ * rp_model_create_from_hf_config (config.json of `dir` is not read). Every tensor is checked
+ * before any weight changes: on error the model is unchanged. Synchronizes first; optimizer state
+ * is kept; accumulated gradients are dropped. Later saves use the layout of `dir`.
+ * @param model the model; @param dir the directory, borrowed.
+ * @return RP_OK; RP_ERR_IO as for rp_model_create_from_hf; RP_ERR_STATE for a model not built
+ *         from a Hugging Face config; RP_ERR_INVALID_ARGUMENT.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_load_hf(rp_model *model, const char *dir);
+
+/**
+ * Save the latest weights (synchronizes first) as a Hugging Face directory that transformers
+ * loads unchanged: config.json (its "dtype" set to the model dtype) and the weights in the model
+ * dtype with Hugging Face tensor names, in the layout of the checkpoint last loaded (one file, or
+ * the same shards and index). `dir` is created if missing (its parent must exist). Every file is
+ * written under a temporary name first and renamed into place only when all are complete; on
+ * error the previous files are intact. Tokenizer files are not copied.
+ * @return RP_OK; RP_ERR_IO (the message names the path); RP_ERR_STATE for a model not built from
+ *         a Hugging Face config; RP_ERR_INVALID_ARGUMENT.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_save_hf(rp_model *model, const char *dir);
 
 /** ABI version this header describes. */
 #define RP_ABI_VERSION 1

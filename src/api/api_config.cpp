@@ -253,13 +253,15 @@ rp_status rp_model_options_set_stage_plan(rp_model_options *options,
 rp_status rp_loss_create(rp_loss **out_loss, int32_t kind) {
     return guard([&] {
         require_arg(out_loss, "out_loss is NULL");
-        require(kind >= RP_LOSS_OUTPUT && kind <= RP_LOSS_CROSS_ENTROPY,
-                "loss kind must be RP_LOSS_OUTPUT, RP_LOSS_MSE or RP_LOSS_CROSS_ENTROPY, got " +
+        require(kind >= RP_LOSS_OUTPUT && kind <= RP_LOSS_CAUSAL_LM,
+                "loss kind must be RP_LOSS_OUTPUT, RP_LOSS_MSE, RP_LOSS_CROSS_ENTROPY or "
+                "RP_LOSS_CAUSAL_LM, got " +
                     std::to_string(kind));
         auto loss = std::make_unique<rp_loss>();
-        loss->kind = kind == RP_LOSS_OUTPUT ? LossKind::Output
-                     : kind == RP_LOSS_MSE  ? LossKind::Mse
-                                            : LossKind::CrossEntropy;
+        loss->kind = kind == RP_LOSS_OUTPUT  ? LossKind::Output
+                     : kind == RP_LOSS_MSE   ? LossKind::Mse
+                     : kind == RP_LOSS_CAUSAL_LM ? LossKind::CausalLm
+                                             : LossKind::CrossEntropy;
         *out_loss = loss.release();
     });
 }

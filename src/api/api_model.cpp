@@ -18,12 +18,15 @@ const Model &model_of(const rp_model *m) {
     return *m->model;
 }
 
-std::vector<at::Tensor> borrow_inputs(const DLManagedTensor *const *inputs, size_t n) {
+// Inputs may sit in GPU memory only when the model computes on GPUs.
+int input_gpus(const Model &m) { return m.has_cuda_devices() ? visible_cuda_devices() : 0; }
+
+std::vector<at::Tensor> borrow_inputs(const DLManagedTensor *const *inputs, size_t n, int gpus) {
     require(n >= 1 && n <= 64, "n_inputs must be in 1..64, got " + std::to_string(n));
     require_arg(inputs, "inputs is NULL");
     std::vector<at::Tensor> out;
     for (size_t i = 0; i < n; ++i)
-        out.push_back(borrow_dlpack(inputs[i], "input " + std::to_string(i)));
+        out.push_back(borrow_dlpack(inputs[i], "input " + std::to_string(i), gpus));
     return out;
 }
 
@@ -79,6 +82,43 @@ Loss make_loss(const rp_loss *l) {
     return loss;
 }
 
+// Token ids and labels of models with token layers are checked on the host: on a GPU an index
+// out of range would be a device-side assertion that poisons the whole process.
+void check_tokens(const rp_model *h, const std::vector<at::Tensor> &in, const at::Tensor &labels) {
+    const at::Tensor &ids = in[0];
+    if (h->input_vocab > 0 && !at::isFloatingType(ids.scalar_type()) && ids.numel() > 0) {
+        at::Tensor bad = ids.lt(0).logical_or(ids.ge(h->input_vocab));
+        if (bad.any().item<bool>())
+            fail(ErrorKind::InvalidArgument,
+                 "input 0 holds token id " +
+                     std::to_string(ids.masked_select(bad)[0].item<int64_t>()) +
+                     " outside the vocabulary [0, " + std::to_string(h->input_vocab) + ")");
+    }
+    if (h->label_vocab > 0 && labels.defined() && !at::isFloatingType(labels.scalar_type()) &&
+        labels.numel() > 0) {
+        at::Tensor bad =
+            labels.ne(-100).logical_and(labels.lt(0).logical_or(labels.ge(h->label_vocab)));
+        if (bad.any().item<bool>())
+            fail(ErrorKind::InvalidArgument,
+                 "labels hold " + std::to_string(labels.masked_select(bad)[0].item<int64_t>()) +
+                     ", neither -100 (no target) nor a token id in [0, " +
+                     std::to_string(h->label_vocab) + ")");
+    }
+}
+
+// RP_LOSS_CAUSAL_LM: one normaliser for the whole call, the number of tokens with a target, so
+// that the microbatch losses add up to the batch mean (docs/semantics.md).
+void normalise_causal_lm(Loss &loss, const at::Tensor &labels, const at::Tensor &ids) {
+    require(labels.defined(), "loss RP_LOSS_CAUSAL_LM needs labels (token ids, -100 for none)");
+    require(!at::isFloatingType(labels.scalar_type()) && labels.dim() == 2,
+            "loss RP_LOSS_CAUSAL_LM needs integer labels [batch, seq], got " +
+                std::string(c10::toString(labels.scalar_type())) + " " + c10::str(labels.sizes()));
+    require(labels.sizes() == ids.sizes(), "loss RP_LOSS_CAUSAL_LM needs labels of the shape of "
+                                           "input 0 " + c10::str(ids.sizes()) + ", got " +
+                                               c10::str(labels.sizes()));
+    loss.scale /= static_cast<double>(std::max<int64_t>(1, causal_lm_target_count(labels)));
+}
+
 const RunConfig &config_of(const rp_run_config *c) {
     static const RunConfig empty;
     return c ? c->config : empty;
@@ -94,9 +134,7 @@ rp_status rp_model_create(rp_model **out_model, const char *spec_json,
         require_arg(out_model, "out_model is NULL");
         require_arg(spec_json, "spec_json is NULL");
         ModelOptions opts = options ? options->options : ModelOptions();
-        auto layers = parse_model_spec(spec_json);
-        auto handle = std::make_unique<rp_model>();
-        handle->model = std::make_unique<Model>(std::move(layers), opts);
+        auto handle = make_model_handle(parse_model_spec(spec_json), opts);
         *out_model = handle.release();
     });
 }
@@ -166,7 +204,8 @@ rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model,
         require_arg(out_outputs, "out_outputs is NULL");
         Model &m = model_of(model);
         require(!m.on_optimizer_thread(), "rp_forward may not be called from a step callback");
-        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs);
+        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
+        check_tokens(model, in, at::Tensor());
         bool merge = true;
         std::vector<at::Tensor> outs = m.forward(in, config_of(config), &merge);
         *out_outputs = make_output_list(std::move(outs), merge, in);
@@ -181,9 +220,12 @@ rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp
         Model &m = model_of(model);
         require(!m.on_optimizer_thread(),
                 "rp_forward_backward may not be called from a step callback");
-        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs);
-        at::Tensor lab = labels ? borrow_dlpack(labels, "labels") : at::Tensor();
+        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
+        at::Tensor lab = labels ? borrow_dlpack(labels, "labels", input_gpus(m)) : at::Tensor();
+        check_tokens(model, in, lab);
         Loss l = make_loss(loss);
+        if (l.kind == LossKind::CausalLm)
+            normalise_causal_lm(l, lab, in[0]);
         std::vector<at::Tensor> outs;
         bool merge = true;
         double total =

@@ -28,12 +28,16 @@ at::ScalarType scalar_type_of(DLDataType t, const std::string &what, bool allow_
              "; supported: float32, float16, bfloat16, int64, int32 (convert float64 to float32)");
 }
 
-void validate(const DLTensor &t, const std::string &what) {
-    if (t.device.device_type == kDLCUDA || t.device.device_type == kDLCUDAManaged)
-        fail(ErrorKind::InvalidArgument,
-             what + " is in GPU memory (cuda:" + std::to_string(t.device.device_id) +
-                 "); pass tensors in host memory (RoundPipe streams them to the devices)");
-    require(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost,
+void validate(const DLTensor &t, const std::string &what, int gpus) {
+    if (t.device.device_type == kDLCUDA) {
+        require(gpus > 0, what + " is in GPU memory (cuda:" + std::to_string(t.device.device_id) +
+                              ") but this model runs on CPU devices; pass host memory");
+        require(t.device.device_id >= 0 && t.device.device_id < gpus,
+                what + " is on cuda:" + std::to_string(t.device.device_id) + ", which does not "
+                "exist (" + std::to_string(gpus) + " GPUs visible)");
+    }
+    require(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost ||
+                t.device.device_type == kDLCUDA,
             what + " is on an unsupported device type " +
                 std::to_string(static_cast<int>(t.device.device_type)) + "; use host memory");
     require(t.ndim >= 0 && t.ndim <= 16,
@@ -59,20 +63,23 @@ void validate(const DLTensor &t, const std::string &what) {
 
 } // namespace
 
-at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what) {
+at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what, int gpus) {
     require(tensor != nullptr, what + " is NULL");
     const DLTensor &t = tensor->dl_tensor;
-    validate(t, what);
+    validate(t, what, gpus);
     at::ScalarType type = scalar_type_of(t.dtype, what, false);
     std::vector<int64_t> sizes(t.shape, t.shape + t.ndim);
     char *data = static_cast<char *>(t.data) + t.byte_offset;
-    return at::from_blob(data, sizes, at::TensorOptions().dtype(type));
+    at::Device device = t.device.device_type == kDLCUDA
+                            ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(t.device.device_id))
+                            : at::Device(at::kCPU);
+    return at::from_blob(data, sizes, at::TensorOptions().dtype(type).device(device));
 }
 
 at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what, bool allow_float64) {
     require(tensor != nullptr, what + " is NULL");
     try {
-        validate(tensor->dl_tensor, what);
+        validate(tensor->dl_tensor, what, /*gpus=*/0);
         scalar_type_of(tensor->dl_tensor.dtype, what, allow_float64);
     } catch (...) {
         if (tensor->deleter)

@@ -7,12 +7,13 @@
 
 namespace rp {
 
-// Wraps a borrowed DLPack tensor (host memory, contiguous, a supported dtype) without copying.
-// `what` names it in error messages ("input 0", "labels").
-at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what);
+// Wraps a borrowed DLPack tensor (contiguous, a supported dtype; in host memory, or in the memory
+// of one of `gpus` GPUs when the model runs on GPUs) without copying. `what` names it in error
+// messages ("input 0", "labels").
+at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what, int gpus);
 
 // Takes ownership of a DLPack tensor produced by a callback (its deleter runs when the tensor
-// dies). Validates it like borrow_dlpack; `allow_float64` also accepts float64 (gradients).
+// dies). Validates it like borrow_dlpack for host memory; `allow_float64` also accepts float64 (gradients).
 at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what,
                         bool allow_float64 = false);
 

@@ -247,7 +247,10 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
     // Runs the real layers on the host weights with an empty batch: every shape and dtype rule
     // of every op is checked at almost no cost, and no kernel lacks an implementation for it.
     at::NoGradGuard no_grad;
-    auto empty_batch = [](const at::Tensor &t) { return t.dim() > 0 ? t.narrow(0, 0, 0) : t; };
+    // Host weights, so host tensors: an empty slice of a GPU input costs nothing to move.
+    auto empty_batch = [](const at::Tensor &t) {
+        return (t.dim() > 0 ? t.narrow(0, 0, 0) : t).to(at::kCPU);
+    };
     const at::Tensor &in = inputs[0];
     at::Tensor x = empty_batch(in);
     if (at::isFloatingType(x.scalar_type()))

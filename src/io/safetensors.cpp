@@ -5,7 +5,10 @@
 #include <cstring>
 #include <fstream>
 
+#include <fcntl.h>
 #include <nlohmann/json.hpp>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine/error.h"
@@ -38,24 +41,30 @@ const char *dtype_name(at::ScalarType t) {
 
 } // namespace
 
-std::vector<NamedTensor> read_safetensors(const std::string &path) {
-    std::ifstream in(path, std::ios::binary | std::ios::ate);
-    if (!in)
-        io_fail(path, std::string("cannot open: ") + std::strerror(errno));
-    const uint64_t file_size = static_cast<uint64_t>(in.tellg());
-    in.seekg(0);
-    if (file_size < 8)
-        io_fail(path, "truncated: " + std::to_string(file_size) + " bytes, not a safetensors file");
-    unsigned char len_bytes[8];
-    in.read(reinterpret_cast<char *>(len_bytes), 8);
+namespace {
+
+// One tensor of a validated header: where its bytes lie in the data section.
+struct Entry {
+    std::string name;
+    at::ScalarType type;
+    std::vector<int64_t> shape;
+    uint64_t begin = 0, nbytes = 0;
+};
+
+uint64_t header_length(const std::string &path, const unsigned char *len_bytes,
+                       uint64_t file_size) {
     uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i)
         header_len = (header_len << 8) | len_bytes[i];
     if (header_len > file_size - 8 || header_len > (100u << 20))
         io_fail(path, "corrupt: header length " + std::to_string(header_len) +
                           " does not fit the file of " + std::to_string(file_size) + " bytes");
-    std::string header(header_len, '\0');
-    in.read(header.data(), static_cast<std::streamsize>(header_len));
+    return header_len;
+}
+
+// Validates every entry (dtype, shape, offsets inside the data section) before any is used.
+std::vector<Entry> parse_entries(const std::string &path, const std::string &header,
+                                 uint64_t data_size) {
     json h;
     try {
         h = json::parse(header);
@@ -64,9 +73,7 @@ std::vector<NamedTensor> read_safetensors(const std::string &path) {
     }
     if (!h.is_object())
         io_fail(path, "corrupt header: not a JSON object");
-    const uint64_t data_size = file_size - 8 - header_len;
-
-    std::vector<NamedTensor> out;
+    std::vector<Entry> out;
     for (auto it = h.begin(); it != h.end(); ++it) {
         if (it.key() == "__metadata__")
             continue;
@@ -82,13 +89,17 @@ std::vector<NamedTensor> read_safetensors(const std::string &path) {
                 info = &d;
         if (!info)
             io_fail(path, where + "unsupported dtype " + e["dtype"].dump());
-        std::vector<int64_t> shape;
+        Entry entry;
+        entry.name = it.key();
+        entry.type = info->type;
         uint64_t numel = 1;
         for (const json &d : e["shape"]) {
-            if (!d.is_number_unsigned())
+            if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40))
                 io_fail(path, where + "corrupt shape " + e["shape"].dump());
-            shape.push_back(d.get<int64_t>());
+            entry.shape.push_back(d.get<int64_t>());
             numel *= d.get<uint64_t>();
+            if (numel > (uint64_t{1} << 50))
+                io_fail(path, where + "corrupt shape " + e["shape"].dump());
         }
         const json &off = e["data_offsets"];
         if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned())
@@ -102,12 +113,86 @@ std::vector<NamedTensor> read_safetensors(const std::string &path) {
         if (end - begin != nbytes)
             io_fail(path, where + "holds " + std::to_string(end - begin) + " bytes but its shape " +
                               e["shape"].dump() + " and dtype need " + std::to_string(nbytes));
-        at::Tensor t = at::empty(shape, at::TensorOptions().dtype(info->type));
-        in.seekg(static_cast<std::streamoff>(8 + header_len + begin));
-        in.read(static_cast<char *>(t.data_ptr()), static_cast<std::streamsize>(nbytes));
+        entry.begin = begin;
+        entry.nbytes = nbytes;
+        out.push_back(std::move(entry));
+    }
+    return out;
+}
+
+// A read-only memory mapping, unmapped when the last tensor viewing it dies.
+struct Mapping {
+    void *addr = nullptr;
+    size_t size = 0;
+    ~Mapping() {
+        if (addr)
+            ::munmap(addr, size);
+    }
+};
+
+} // namespace
+
+std::vector<NamedTensor> read_safetensors(const std::string &path) {
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (!in)
+        io_fail(path, std::string("cannot open: ") + std::strerror(errno));
+    const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+    in.seekg(0);
+    if (file_size < 8)
+        io_fail(path, "truncated: " + std::to_string(file_size) + " bytes, not a safetensors file");
+    unsigned char len_bytes[8];
+    in.read(reinterpret_cast<char *>(len_bytes), 8);
+    const uint64_t header_len = header_length(path, len_bytes, file_size);
+    std::string header(header_len, '\0');
+    in.read(header.data(), static_cast<std::streamsize>(header_len));
+    std::vector<Entry> entries = parse_entries(path, header, file_size - 8 - header_len);
+
+    std::vector<NamedTensor> out;
+    for (const Entry &e : entries) {
+        at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
+        in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
+        in.read(static_cast<char *>(t.data_ptr()), static_cast<std::streamsize>(e.nbytes));
         if (!in)
-            io_fail(path, where + "read failed (truncated file?)");
-        out.push_back({it.key(), t});
+            io_fail(path, "tensor \"" + e.name + "\": read failed (truncated file?)");
+        out.push_back({e.name, t});
+    }
+    return out;
+}
+
+std::vector<NamedTensor> map_safetensors(const std::string &path) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        io_fail(path, std::string("cannot open: ") + std::strerror(errno));
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+        int err = errno;
+        ::close(fd);
+        io_fail(path, std::string("cannot stat: ") + std::strerror(err));
+    }
+    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+    if (file_size < 8) {
+        ::close(fd);
+        io_fail(path, "truncated: " + std::to_string(file_size) + " bytes, not a safetensors file");
+    }
+    auto mapping = std::make_shared<Mapping>();
+    void *addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int map_errno = errno;
+    ::close(fd);
+    if (addr == MAP_FAILED)
+        io_fail(path, std::string("cannot map: ") + std::strerror(map_errno));
+    mapping->addr = addr;
+    mapping->size = file_size;
+    const auto *bytes = static_cast<const unsigned char *>(addr);
+    const uint64_t header_len = header_length(path, bytes, file_size);
+    std::string header(reinterpret_cast<const char *>(bytes + 8), header_len);
+    std::vector<Entry> entries = parse_entries(path, header, file_size - 8 - header_len);
+
+    std::vector<NamedTensor> out;
+    for (const Entry &e : entries) {
+        void *data = const_cast<unsigned char *>(bytes + 8 + header_len + e.begin);
+        at::Tensor t = at::from_blob(
+            data, e.shape, [mapping](void *) {}, at::TensorOptions().dtype(e.type));
+        out.push_back({e.name, t});
     }
     return out;
 }

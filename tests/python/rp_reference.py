@@ -1,8 +1,6 @@
 """Plain-torch references for the binding tests: the same computation as the engine, written
 independently from docs/semantics.md (no pipeline, no RoundPipe code)."""
 
-import copy
-
 import torch
 from torch import nn
 
@@ -69,7 +67,3 @@ def dropout_mask(seed, call, layer, microbatch, shape, p):
     value = mix(mix(mix(mix(seed) ^ call) ^ layer) ^ microbatch)
     gen = torch.Generator().manual_seed(value)
     return torch.empty(shape).bernoulli_(1 - p, generator=gen)
-
-
-def clone_module(module):
-    return copy.deepcopy(module)

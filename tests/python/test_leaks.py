@@ -2,13 +2,14 @@
 
 Measure: resident set size from /proc/self/statm, after a warm-up (allocator pools, libtorch
 lazy init, thread stacks reused), then after 1,000 more iterations.
-Bound: growth <= 8 MiB over the 1,000 iterations (measured on the CPU build: 0.04 MiB for the
-cycles, 0.1 MiB for built-in steps, 0.3 MiB for Python loss + torch.optim steps). What that catches: each model below holds
-about 64 KiB of parameters per copy and the engine keeps at least three copies (master,
-compute, gradient), so leaking a model per cycle would add >= 190 MiB; leaking one parameter
-view, output tensor or gradient per step (>= 1 KiB each, several per step) adds megabytes to
-tens of megabytes, and the binding's registry of Python callbacks must be empty afterwards.
-The bound leaves room for allocator fragmentation, which is not a leak.
+Bound: growth <= 8 MiB over the 1,000 iterations. Measured on the CPU build: 0.04 MiB for the
+cycles, 0.1 MiB for built-in steps, 0.3 MiB for Python loss + torch.optim steps.
+What the bound catches: each model below holds about 64 KiB of parameters per copy and the
+engine keeps at least three copies (master, compute, gradient), so leaking a model per cycle
+adds >= 190 MiB; leaking per step the DLPack views of the gradients (up to 32 KiB each, six per
+step), an output or a split piece adds tens of megabytes or more. The binding's registry of
+Python callbacks must also be empty afterwards. The bound leaves room for allocator
+fragmentation, which is not a leak.
 """
 
 import gc

@@ -118,7 +118,7 @@ RP_PIN_ALLOC, RP_PIN_REGISTER, RP_PIN_OFF = 0, 1, 2
 RP_DEVICE_AUTO, RP_DEVICE_CPU, RP_DEVICE_CUDA = 0, 1, 2
 RP_GRAIN_DEFAULT, RP_GRAIN_STAGE, RP_GRAIN_LAYER = 0, 1, 2
 RP_SPLIT_REPLICATE = -1
-RP_LOSS_OUTPUT, RP_LOSS_MSE, RP_LOSS_CROSS_ENTROPY = 0, 1, 2
+RP_LOSS_OUTPUT, RP_LOSS_MSE, RP_LOSS_CROSS_ENTROPY, RP_LOSS_CAUSAL_LM = 0, 1, 2, 3
 RP_OPTIMIZER_ADAMW, RP_OPTIMIZER_SGD = 0, 1
 
 # ------------------------------------------------------------------------------------------------
@@ -304,6 +304,14 @@ def _declare(cdll):
     # -- weights on disk -----------------------------------------------------------------------
     fn("rp_model_save", st, [rp_model_p, c_char_p])                  # rp_status rp_model_save(rp_model *model, const char *path);
     fn("rp_model_load", st, [rp_model_p, c_char_p])                  # rp_status rp_model_load(rp_model *model, const char *path);
+
+    # -- Hugging Face models -------------------------------------------------------------------
+    fn("rp_model_create_from_hf", st,
+       [P(rp_model_p), c_char_p, rp_model_options_p])                # rp_status rp_model_create_from_hf(rp_model **out_model, const char *dir, const rp_model_options *options);
+    fn("rp_model_create_from_hf_config", st,
+       [P(rp_model_p), c_char_p, rp_model_options_p])                # rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *config_json, const rp_model_options *options);
+    fn("rp_model_load_hf", st, [rp_model_p, c_char_p])               # rp_status rp_model_load_hf(rp_model *model, const char *dir);
+    fn("rp_model_save_hf", st, [rp_model_p, c_char_p])               # rp_status rp_model_save_hf(rp_model *model, const char *dir);
 
 
 # Marker for "returns rp_status" in _declare (c_int32 is c_int, so the type cannot tell).

@@ -173,6 +173,7 @@ const rp_loss_kind = Cint
 const RP_LOSS_OUTPUT = 0
 const RP_LOSS_MSE = 1
 const RP_LOSS_CROSS_ENTROPY = 2
+const RP_LOSS_CAUSAL_LM = 3
 
 const rp_optimizer_kind = Cint
 const RP_OPTIMIZER_ADAMW = 0
@@ -543,5 +544,29 @@ rp_model_load(model, path) =
     ccall((:rp_model_load, libroundpipe()), rp_status,
           (Ptr{rp_model}, Cstring),
           model, path)
+
+# rp_status rp_model_create_from_hf(rp_model **out_model, const char *dir, const rp_model_options *options);
+rp_model_create_from_hf(out_model, dir, options) =
+    ccall((:rp_model_create_from_hf, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_model}}, Cstring, Ptr{rp_model_options}),
+          out_model, dir, options)
+
+# rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *config_json, const rp_model_options *options);
+rp_model_create_from_hf_config(out_model, config_json, options) =
+    ccall((:rp_model_create_from_hf_config, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_model}}, Cstring, Ptr{rp_model_options}),
+          out_model, config_json, options)
+
+# rp_status rp_model_load_hf(rp_model *model, const char *dir);
+rp_model_load_hf(model, dir) =
+    ccall((:rp_model_load_hf, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Cstring),
+          model, dir)
+
+# rp_status rp_model_save_hf(rp_model *model, const char *dir);
+rp_model_save_hf(model, dir) =
+    ccall((:rp_model_save_hf, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Cstring),
+          model, dir)
 
 end # module LibRoundPipe

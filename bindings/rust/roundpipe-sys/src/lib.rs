@@ -155,6 +155,7 @@ pub type rp_loss_kind = c_int;
 pub const RP_LOSS_OUTPUT: rp_loss_kind = 0;
 pub const RP_LOSS_MSE: rp_loss_kind = 1;
 pub const RP_LOSS_CROSS_ENTROPY: rp_loss_kind = 2;
+pub const RP_LOSS_CAUSAL_LM: rp_loss_kind = 3;
 
 pub type rp_optimizer_kind = c_int;
 pub const RP_OPTIMIZER_ADAMW: rp_optimizer_kind = 0;
@@ -406,6 +407,20 @@ extern "C" {
     // Weights on disk
     pub fn rp_model_save(model: *mut rp_model, path: *const c_char) -> rp_status;
     pub fn rp_model_load(model: *mut rp_model, path: *const c_char) -> rp_status;
+
+    // Hugging Face models
+    pub fn rp_model_create_from_hf(
+        out_model: *mut *mut rp_model,
+        dir: *const c_char,
+        options: *const rp_model_options,
+    ) -> rp_status;
+    pub fn rp_model_create_from_hf_config(
+        out_model: *mut *mut rp_model,
+        config_json: *const c_char,
+        options: *const rp_model_options,
+    ) -> rp_status;
+    pub fn rp_model_load_hf(model: *mut rp_model, dir: *const c_char) -> rp_status;
+    pub fn rp_model_save_hf(model: *mut rp_model, dir: *const c_char) -> rp_status;
 }
 
 #[cfg(test)]

@@ -1,0 +1,50 @@
+// Hugging Face checkpoint directories: "model.safetensors", or shards listed by
+// "model.safetensors.index.json", read through memory maps and written back in the same layout.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "io/safetensors.h"
+
+namespace rp {
+
+// Which file holds each tensor. Single layout: everything in "model.safetensors".
+struct HfLayout {
+    bool sharded = false;
+    std::map<std::string, std::string> file_of; // tensor name -> file name in the directory
+};
+
+struct HfTensorSpec {
+    std::string name;           // Hugging Face tensor name
+    std::vector<int64_t> shape; // what the model expects
+};
+
+struct HfCheckpoint {
+    HfLayout layout;
+    // One tensor per expected name, in the order asked for: read-only views of the mapped files
+    // in the stored floating-point dtype.
+    std::vector<at::Tensor> tensors;
+};
+
+// Opens the checkpoint in `dir` and checks every file it names (header, offsets, sizes) and
+// every expected tensor (present, floating point, expected shape) before returning anything.
+// Tensors named in `ignored` may be present or not (a tied lm_head.weight). Throws
+// rp::Error(Io) naming the file and the tensor. Other tensors found are reported as a warning.
+HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTensorSpec> &expected,
+                                const std::vector<std::string> &ignored);
+
+// Writes `tensors` into `dir` (created if missing, one level) following `layout` (a tensor the
+// layout does not place goes to the first file), with `config_json` as config.json. Each file is
+// first written completely under a temporary name; only when all are written are they renamed
+// over the old ones, so a failure leaves the old checkpoint intact. A stale file of the other
+// layout (model.safetensors vs. the index) is removed, so transformers cannot pick it.
+void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
+                        const std::vector<NamedTensor> &tensors, const std::string &config_json);
+
+// Reads `dir`/config.json. Throws rp::Error(Io) naming the path.
+std::string read_hf_config_text(const std::string &dir);
+
+} // namespace rp
