@@ -303,6 +303,12 @@ RP_API rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_
 RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
                                                  const rp_run_config *config);
 
+/** GPU memory one model may use on each GPU, in bytes (default 0: 80% of the smallest free
+ * memory among its GPUs at creation). The planner makes every stage's weights and gradients fit
+ * in half of it, since two stages live on a GPU at once; activations come on top, so leave room.
+ * Ignored on CPU devices. @return RP_OK or RP_ERR_INVALID_ARGUMENT (negative). */
+RP_API rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
+
 /** Seed of weight initialisation and of dropout (default 0).
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
@@ -353,6 +359,34 @@ RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model)
 
 /** Number of optimizer steps enqueued so far (built-in or callback). */
 RP_API rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
+
+/** The GPU memory cap in force (0 on CPU devices). */
+RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
+
+/**
+ * Timing record of the model's last rp_forward / rp_forward_backward, as Chrome trace JSON
+ * (open it in chrome://tracing or Perfetto): one process per device, one thread per stream
+ * ("weights", "activation_upload", "compute", "download"), one complete event per transfer or
+ * microbatch computation, times in microseconds from the call's start, measured with CUDA
+ * events on GPUs and the host clock on CPU devices (which record compute only). Each event's
+ * args name the job, the stage and the kind (forward, tail, backward).
+ * @param out_json receives the text; library-owned, valid until the next call on this model.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_trace_json(const char **out_json, rp_model *model);
+
+/**
+ * Memory of GPU `device` held by tensors through libtorch's caching allocator, now and at its
+ * peak since the last reset (all RoundPipe models of the process together).
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT for NULL pointers or a GPU that is not visible.
+ * Any thread.
+ */
+RP_API rp_status rp_cuda_memory_stats(int64_t *out_allocated_bytes, int64_t *out_peak_bytes,
+                                      int32_t device);
+
+/** Restart the peak of rp_cuda_memory_stats for GPU `device`. @return RP_OK or
+ * RP_ERR_INVALID_ARGUMENT (GPU not visible). Any thread. */
+RP_API rp_status rp_cuda_reset_peak_memory(int32_t device);
 
 /* ---------------------------------------------------------------------------------------------
  * Tensor lists (outputs)

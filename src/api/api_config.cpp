@@ -205,6 +205,15 @@ rp_status rp_model_options_set_run_config(rp_model_options *options,
     });
 }
 
+rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(bytes >= 0, "GPU memory cap must be >= 0 (0: default), got " +
+                                std::to_string(bytes));
+        options->options.gpu_memory_cap = bytes;
+    });
+}
+
 rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed) {
     return guard([&] {
         require_arg(options, "options is NULL");

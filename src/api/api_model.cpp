@@ -2,6 +2,7 @@
 #include "api/api_guard.h"
 #include "api/dlpack_bridge.h"
 #include "api/handles.h"
+#include "engine/cuda_memory.h"
 #include "layers/spec_parser.h"
 
 using namespace rp;
@@ -172,6 +173,44 @@ rp_status rp_model_step_count(int64_t *out_count, const rp_model *model) {
     return guard([&] {
         require_arg(out_count, "out_count is NULL");
         *out_count = model_of(model).steps_enqueued();
+    });
+}
+
+rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_bytes, "out_bytes is NULL");
+        *out_bytes = model_of(model).gpu_memory_cap();
+    });
+}
+
+rp_status rp_model_trace_json(const char **out_json, rp_model *model) {
+    return guard([&] {
+        require_arg(out_json, "out_json is NULL");
+        Model &m = model_of(model);
+        model->trace_json = m.trace_json();
+        *out_json = model->trace_json.c_str();
+    });
+}
+
+rp_status rp_cuda_memory_stats(int64_t *out_allocated_bytes, int64_t *out_peak_bytes,
+                               int32_t device) {
+    return guard([&] {
+        require_arg(out_allocated_bytes && out_peak_bytes, "output pointer is NULL");
+        require(device >= 0 && device < visible_cuda_devices(),
+                "GPU " + std::to_string(device) + " is not visible (" +
+                    std::to_string(visible_cuda_devices()) + " GPUs)");
+        GpuMemoryStats stats = gpu_memory_stats(device);
+        *out_allocated_bytes = stats.allocated_bytes;
+        *out_peak_bytes = stats.peak_allocated_bytes;
+    });
+}
+
+rp_status rp_cuda_reset_peak_memory(int32_t device) {
+    return guard([&] {
+        require(device >= 0 && device < visible_cuda_devices(),
+                "GPU " + std::to_string(device) + " is not visible (" +
+                    std::to_string(visible_cuda_devices()) + " GPUs)");
+        reset_gpu_peak_memory(device);
     });
 }
 

@@ -1,6 +1,7 @@
 // What the opaque handles of roundpipe.h hold.
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "api/roundpipe_internal.h"
@@ -28,6 +29,7 @@ struct rp_hf_info {
 
 struct rp_model {
     std::unique_ptr<rp::Model> model;
+    std::string trace_json; // backs the pointer rp_model_trace_json hands out
     // Vocabulary of a first token_embedding / last lm_head layer (0: none). Token ids and labels
     // are range-checked on the host against them, before a device could index out of bounds.
     int64_t input_vocab = 0;

@@ -1,8 +1,10 @@
 #include "engine/model.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "engine/error.h"
+#include "engine/cuda_memory.h"
 #include "engine/log.h"
 
 namespace rp {
@@ -28,16 +30,12 @@ std::vector<at::Device> choose_devices(const ModelOptions &o) {
     return devices;
 }
 
-std::vector<Stage> choose_stages(const std::vector<std::unique_ptr<Layer>> &layers,
-                                 const ModelOptions &o, size_t num_devices) {
-    if (!o.stage_plan.empty())
-        return plan_explicit(o.stage_plan, layers.size());
-    std::vector<double> cost;
-    for (const auto &l : layers)
-        cost.push_back(l->cost_estimate());
-    // Two stages per device keeps every device busy with the fused schedule while each stage
-    // stays large enough to amortise its hand-offs.
-    return plan_balanced(cost, std::max<size_t>(2, 2 * num_devices));
+// Page-locking only helps uploads to GPUs; CPU devices read the weights where they are.
+HostMemory host_memory_for(const ModelOptions &o) {
+    bool gpus = o.device_kind != DeviceKind::Cpu && visible_cuda_devices() > 0;
+    if (!gpus || o.pin_mode == PinMode::Off)
+        return HostMemory::Pageable;
+    return o.pin_mode == PinMode::Alloc ? HostMemory::Pinned : HostMemory::Registered;
 }
 
 } // namespace
@@ -46,14 +44,24 @@ int visible_cuda_devices() { return at::hasCUDA() ? static_cast<int>(at::getNumG
 
 Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
     : name_(o.name), seed_(o.seed), layers_(std::move(layers)),
-      store_(layers_, o.model_dtype, o.seed,
-             o.pin_mode != PinMode::Off && visible_cuda_devices() > 0 &&
-                 o.device_kind != DeviceKind::Cpu),
+      store_(layers_, o.model_dtype, o.seed, host_memory_for(o)),
       run_config_(o.run_config), pipeline_(choose_devices(o)) {
-    stages_ = choose_stages(layers_, o, pipeline_.num_devices());
-    if (o.pin_mode == PinMode::Register && has_cuda_devices())
-        log(LogLevel::Warn, name_ + ": pin mode 'register' is not implemented yet; weights use "
-                                    "pinned allocations ('alloc') instead");
+    explicit_plan_ = o.stage_plan;
+    if (has_cuda_devices()) {
+        gpu_memory_cap_ = o.gpu_memory_cap;
+        if (gpu_memory_cap_ == 0) {
+            int64_t smallest_free = -1;
+            for (size_t d = 0; d < num_devices(); ++d) {
+                int64_t free_b = gpu_memory_stats(pipeline_.device(d).index()).free_bytes;
+                smallest_free = smallest_free < 0 ? free_b : std::min(smallest_free, free_b);
+            }
+            gpu_memory_cap_ = smallest_free / 10 * 8;
+        }
+    }
+    std::vector<double> cost;
+    for (const auto &l : layers_)
+        cost.push_back(l->cost_estimate());
+    stages_ = plan_stages(cost);
     log(LogLevel::Info, name_ + ": " + std::to_string(layers_.size()) + " layers, " +
                             std::to_string(store_.size()) + " parameters tensors, " +
                             std::to_string(stages_.size()) + " stages on " +
@@ -66,6 +74,42 @@ Model::~Model() {
         runner_.wait_for(enqueued_);
     } catch (...) {
     }
+}
+
+std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) const {
+    if (!explicit_plan_.empty())
+        return plan_explicit(explicit_plan_, layers_.size());
+    // A stage's device footprint: its weights and their gradients in the model dtype. Two stages
+    // live on a GPU at once (one computing, one arriving), so a stage may use half the cap.
+    std::vector<double> bytes(layers_.size(), 0.0);
+    for (size_t l = 0; l < layers_.size(); ++l)
+        for (size_t pi : store_.layer_params(l))
+            bytes[l] += 2.0 * static_cast<double>(store_.at(pi).live.nbytes());
+    // Two stages per device keeps every device busy with the fused schedule while each stage
+    // stays large enough to amortise its hand-offs.
+    return plan_balanced(layer_costs, bytes, std::max<size_t>(2, 2 * num_devices()),
+                         has_cuda_devices() ? gpu_memory_cap_ / 2.0 : 0.0);
+}
+
+void Model::replan_from_trace() {
+    // Spread each stage's measured compute time over its layers in proportion to their
+    // estimates, then re-balance with the same memory limit: layers the estimate got wrong move.
+    std::vector<double> stage_ms(stages_.size(), 0.0);
+    for (const JobTrace &job : pipeline_.last_trace())
+        for (const TraceSpan &span : job.spans)
+            if (span.what == "compute")
+                stage_ms[job.stage] += span.end_ms - span.start_ms;
+    std::vector<double> cost(layers_.size());
+    for (size_t s = 0; s < stages_.size(); ++s) {
+        double estimate = 0;
+        for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
+            estimate += layers_[l]->cost_estimate();
+        for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
+            cost[l] = stage_ms[s] * layers_[l]->cost_estimate() / estimate;
+    }
+    stages_ = plan_stages(cost);
+    log(LogLevel::Info, name_ + ": re-planned from measured stage times: " +
+                            std::to_string(stages_.size()) + " stages");
 }
 
 ResolvedRunConfig Model::resolve(const RunConfig &call) const {
@@ -114,6 +158,10 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
     pipeline_.run(ctx);
+    if (!replanned_ && has_cuda_devices() && explicit_plan_.empty()) {
+        replanned_ = true;
+        replan_from_trace();
+    }
     // Only a call that finished commits its gradients: a failed call leaves no trace.
     for (const auto &grads : ctx.job_grads)
         store_.add_to_grads(grads);
@@ -211,6 +259,32 @@ void Model::load_master(const std::vector<at::Tensor> &values) {
         store_.at(i).master.copy_(values[i]);
     store_.refresh_live_from_master();
     store_.zero_grads();
+}
+
+} // namespace rp
+
+namespace rp {
+
+std::string Model::trace_json() const {
+    static const char *kinds[] = {"forward", "tail", "backward"};
+    std::string out = "{\"traceEvents\":[";
+    bool first = true;
+    for (const JobTrace &job : pipeline_.last_trace())
+        for (const TraceSpan &span : job.spans) {
+            char buf[512];
+            std::snprintf(buf, sizeof buf,
+                          "%s{\"name\":\"%s stage %zu\",\"cat\":\"%s\",\"ph\":\"X\","
+                          "\"ts\":%.3f,\"dur\":%.3f,\"pid\":%zu,\"tid\":\"%s\","
+                          "\"args\":{\"job\":%zu,\"stage\":%zu,\"kind\":\"%s\"}}",
+                          first ? "" : ",", kinds[static_cast<int>(job.kind)], job.stage,
+                          span.what.c_str(), span.start_ms * 1000.0,
+                          (span.end_ms - span.start_ms) * 1000.0, job.device, span.what.c_str(),
+                          job.job, job.stage, kinds[static_cast<int>(job.kind)]);
+            out += buf;
+            first = false;
+        }
+    out += "],\"displayTimeUnit\":\"ms\"}";
+    return out;
 }
 
 } // namespace rp

@@ -28,6 +28,8 @@ struct ModelOptions {
     DeviceKind device_kind = DeviceKind::Auto;
     int num_devices = 0; // 0: all GPUs, or one CPU device
     std::vector<int> stage_plan; // empty: automatic
+    // GPU memory a model may use per GPU; 0: 80% of the smallest free memory at creation.
+    int64_t gpu_memory_cap = 0;
 };
 
 int visible_cuda_devices();
@@ -62,12 +64,18 @@ class Model {
     bool has_cuda_devices() const { return !pipeline_.device(0).is_cpu(); }
     int64_t steps_enqueued() const { return enqueued_; }
     bool on_optimizer_thread() const { return runner_.on_this_thread(); }
+    int64_t gpu_memory_cap() const { return gpu_memory_cap_; }
+    // The timing record of the last call as Chrome trace JSON (one process per device, one
+    // thread per stream).
+    std::string trace_json() const;
     const std::string &name() const { return name_; }
 
   private:
     ResolvedRunConfig resolve(const RunConfig &call) const;
     void check_output_device(const at::Device &d) const;
     void publish_completed_step();
+    std::vector<Stage> plan_stages(const std::vector<double> &layer_costs) const;
+    void replan_from_trace();
     void rethrow_step_error();
 
     std::string name_;
@@ -75,6 +83,9 @@ class Model {
     std::vector<std::unique_ptr<Layer>> layers_;
     ParamStore store_;
     std::vector<Stage> stages_;
+    std::vector<int> explicit_plan_;
+    int64_t gpu_memory_cap_ = 0;
+    bool replanned_ = false;
     RunConfig run_config_;
     Pipeline pipeline_;
     uint64_t training_calls_ = 0;

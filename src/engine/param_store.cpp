@@ -1,6 +1,8 @@
 #include "engine/param_store.h"
 
+#include "engine/cuda_memory.h"
 #include "engine/error.h"
+#include "engine/log.h"
 #include "engine/seed.h"
 
 namespace rp {
@@ -24,9 +26,10 @@ at::Tensor initial_value(const ParamSpec &spec, at::Generator &gen) {
 } // namespace
 
 ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
-                       at::ScalarType model_dtype, uint64_t seed, bool pinned)
+                       at::ScalarType model_dtype, uint64_t seed, HostMemory host_memory)
     : by_layer_(layers.size()), model_dtype_(model_dtype) {
-    at::TensorOptions host = at::TensorOptions().dtype(model_dtype).pinned_memory(pinned);
+    at::TensorOptions host =
+        at::TensorOptions().dtype(model_dtype).pinned_memory(host_memory == HostMemory::Pinned);
     for (size_t l = 0; l < layers.size(); ++l) {
         at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(init_seed(seed, l));
         for (const ParamSpec &spec : layers[l]->params()) {
@@ -53,6 +56,26 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
             params_.push_back(std::move(p));
         }
     }
+    if (host_memory == HostMemory::Registered) {
+        // Page-lock the ordinary allocations in place: no power-of-two rounding of the pinned
+        // allocator, so less host memory for very large models.
+        int64_t failed = 0;
+        for (Param &p : params_)
+            for (at::Tensor *t : {&p.live, &p.staged}) {
+                if (register_host_memory(t->data_ptr(), static_cast<int64_t>(t->nbytes())))
+                    registered_.push_back(t->data_ptr());
+                else
+                    ++failed;
+            }
+        if (failed)
+            log(LogLevel::Warn, "pin mode 'register': " + std::to_string(failed) +
+                                    " weight buffers could not be page-locked and stay pageable");
+    }
+}
+
+ParamStore::~ParamStore() {
+    for (void *ptr : registered_)
+        unregister_host_memory(ptr);
 }
 
 int64_t ParamStore::find(const std::string &name) const {

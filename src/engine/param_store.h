@@ -16,6 +16,12 @@
 
 namespace rp {
 
+enum class HostMemory {
+    Pageable,   // ordinary allocations
+    Pinned,     // page-locked allocations (fastest uploads)
+    Registered  // ordinary allocations page-locked in place with cudaHostRegister
+};
+
 struct Param {
     std::string name;
     size_t layer;
@@ -24,10 +30,13 @@ struct Param {
 
 class ParamStore {
   public:
-    // Initialises every parameter from `seed` (docs/semantics.md). `pinned` allocates the
-    // model-dtype copies in page-locked memory (only meaningful with CUDA devices).
+    // Initialises every parameter from `seed` (docs/semantics.md). `host_memory` says how the
+    // model-dtype copies the devices read are page-locked (only meaningful with CUDA devices).
     ParamStore(const std::vector<std::unique_ptr<Layer>> &layers, at::ScalarType model_dtype,
-               uint64_t seed, bool pinned);
+               uint64_t seed, HostMemory host_memory);
+    ~ParamStore();
+    ParamStore(const ParamStore &) = delete;
+    ParamStore &operator=(const ParamStore &) = delete;
 
     size_t size() const { return params_.size(); }
     Param &at(size_t i) { return params_[i]; }
@@ -48,6 +57,7 @@ class ParamStore {
     std::vector<Param> params_;
     std::vector<std::vector<size_t>> by_layer_;
     at::ScalarType model_dtype_;
+    std::vector<void *> registered_; // host ranges to unregister at destruction
 };
 
 } // namespace rp

@@ -1,5 +1,8 @@
 #include "engine/pipeline.h"
 
+#include "engine/cuda_memory.h"
+#include "engine/error.h"
+
 namespace rp {
 
 Pipeline::Pipeline(const std::vector<at::Device> &devices) {
@@ -50,6 +53,16 @@ void Pipeline::run(CallContext &ctx) {
                 run_stage_job(ctx, kind, job, stage, lane, *weights);
             } catch (const CallAborted &) {
                 // Another job failed first; its error is the one reported.
+            } catch (const c10::OutOfMemoryError &e) {
+                const Stage &st = ctx.stages[stage];
+                state.fail(std::make_exception_ptr(Error(
+                    ErrorKind::OutOfMemory,
+                    "stage " + std::to_string(stage) + " (layers " +
+                        std::to_string(st.first_layer) + " to " + std::to_string(st.end_layer - 1) +
+                        ") ran out of memory on " + lane.device().str() +
+                        "; use more microbatches (smaller activations), recompute grain "
+                        "'layer', or a smaller GPU memory cap (smaller stages). " +
+                        e.what_without_backtrace())));
             } catch (...) {
                 state.fail(std::current_exception());
             }
@@ -69,8 +82,16 @@ void Pipeline::run(CallContext &ctx) {
     }
     cursor_ = (cursor_ + num_jobs) % G;
     ctx.state = nullptr;
-    if (error)
+    if (error) {
+        // Drop the failed call's tensors, then give their cached blocks back, so an
+        // out-of-memory call leaves the devices as empty as they were.
+        ctx.stage_inputs.clear();
+        ctx.outputs.clear();
+        ctx.job_grads.clear();
+        if (!device(0).is_cpu())
+            release_cached_gpu_memory();
         std::rethrow_exception(error);
+    }
 }
 
 } // namespace rp

@@ -32,7 +32,7 @@ StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Trans
     return w;
 }
 
-// Gradients leave the device once per stage and call, in fp32.
+// Gradients leave the device once per stage and call; the host widens them to fp32.
 std::vector<std::pair<size_t, at::Tensor>> download_grads(const StageWeights &w, DeviceLane &lane,
                                                           size_t job) {
     std::vector<size_t> index;
@@ -40,7 +40,7 @@ std::vector<std::pair<size_t, at::Tensor>> download_grads(const StageWeights &w,
     for (const auto &leaf : w.leaves)
         if (leaf.second.grad().defined()) {
             index.push_back(leaf.first);
-            grads.push_back(leaf.second.grad().to(at::kFloat));
+            grads.push_back(leaf.second.grad()); // model dtype: half the bytes for bf16
         }
     Transfer host = lane.download(grads, job);
     std::vector<std::pair<size_t, at::Tensor>> out;

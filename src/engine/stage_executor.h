@@ -42,7 +42,7 @@ struct CallContext {
     std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
     std::vector<at::Tensor> outputs;                 // [mb], on the output device
     std::vector<at::Tensor> losses;                  // [mb], 0-d
-    std::vector<std::vector<std::pair<size_t, at::Tensor>>> job_grads; // [job]: (param, fp32 host)
+    std::vector<std::vector<std::pair<size_t, at::Tensor>>> job_grads; // [job]: (param, host)
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };

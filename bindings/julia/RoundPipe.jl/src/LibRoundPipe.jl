@@ -327,6 +327,12 @@ rp_model_options_set_run_config(options, config) =
           (Ptr{rp_model_options}, Ptr{rp_run_config}),
           options, config)
 
+# rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
+rp_model_options_set_gpu_memory_cap(options, bytes) =
+    ccall((:rp_model_options_set_gpu_memory_cap, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Int64),
+          options, bytes)
+
 # rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
 rp_model_options_set_seed(options, seed) =
     ccall((:rp_model_options_set_seed, libroundpipe()), rp_status,
@@ -383,6 +389,30 @@ rp_model_step_count(out_count, model) =
     ccall((:rp_model_step_count, libroundpipe()), rp_status,
           (Ptr{Int64}, Ptr{rp_model}),
           out_count, model)
+
+# rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
+rp_model_gpu_memory_cap(out_bytes, model) =
+    ccall((:rp_model_gpu_memory_cap, libroundpipe()), rp_status,
+          (Ptr{Int64}, Ptr{rp_model}),
+          out_bytes, model)
+
+# rp_status rp_model_trace_json(const char **out_json, rp_model *model);
+rp_model_trace_json(out_json, model) =
+    ccall((:rp_model_trace_json, libroundpipe()), rp_status,
+          (Ptr{Cstring}, Ptr{rp_model}),
+          out_json, model)
+
+# rp_status rp_cuda_memory_stats(int64_t *out_allocated_bytes, int64_t *out_peak_bytes, int32_t device);
+rp_cuda_memory_stats(out_allocated_bytes, out_peak_bytes, device) =
+    ccall((:rp_cuda_memory_stats, libroundpipe()), rp_status,
+          (Ptr{Int64}, Ptr{Int64}, Int32),
+          out_allocated_bytes, out_peak_bytes, device)
+
+# rp_status rp_cuda_reset_peak_memory(int32_t device);
+rp_cuda_reset_peak_memory(device) =
+    ccall((:rp_cuda_reset_peak_memory, libroundpipe()), rp_status,
+          (Int32,),
+          device)
 
 # rp_status rp_tensor_list_size(size_t *out_size, const rp_tensor_list *list);
 rp_tensor_list_size(out_size, list) =

@@ -280,6 +280,10 @@ extern "C" {
         options: *mut rp_model_options,
         config: *const rp_run_config,
     ) -> rp_status;
+    pub fn rp_model_options_set_gpu_memory_cap(
+        options: *mut rp_model_options,
+        bytes: i64,
+    ) -> rp_status;
     pub fn rp_model_options_set_seed(options: *mut rp_model_options, seed: u64) -> rp_status;
     pub fn rp_model_options_set_name(
         options: *mut rp_model_options,
@@ -305,6 +309,14 @@ extern "C" {
     pub fn rp_model_num_stages(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_num_devices(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_step_count(out_count: *mut i64, model: *const rp_model) -> rp_status;
+    pub fn rp_model_gpu_memory_cap(out_bytes: *mut i64, model: *const rp_model) -> rp_status;
+    pub fn rp_model_trace_json(out_json: *mut *const c_char, model: *mut rp_model) -> rp_status;
+    pub fn rp_cuda_memory_stats(
+        out_allocated_bytes: *mut i64,
+        out_peak_bytes: *mut i64,
+        device: i32,
+    ) -> rp_status;
+    pub fn rp_cuda_reset_peak_memory(device: i32) -> rp_status;
 
     // Tensor lists
     pub fn rp_tensor_list_size(out_size: *mut usize, list: *const rp_tensor_list) -> rp_status;

@@ -1,0 +1,52 @@
+#include "engine/cuda_memory.h"
+
+#ifdef RP_HAVE_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+namespace rp {
+
+GpuMemoryStats gpu_memory_stats(int device) {
+    using namespace c10::cuda::CUDACachingAllocator;
+    GpuMemoryStats s;
+    auto stats = getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    s.allocated_bytes = stats.allocated_bytes[all].current;
+    s.peak_allocated_bytes = stats.allocated_bytes[all].peak;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+        s.free_bytes = static_cast<int64_t>(free_b);
+        s.total_bytes = static_cast<int64_t>(total_b);
+    }
+    return s;
+}
+
+void reset_gpu_peak_memory(int device) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+}
+
+void release_cached_gpu_memory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+bool register_host_memory(void *ptr, int64_t bytes) {
+    return bytes == 0 ||
+           cudaHostRegister(ptr, static_cast<size_t>(bytes), cudaHostRegisterDefault) ==
+               cudaSuccess;
+}
+
+void unregister_host_memory(void *ptr) { cudaHostUnregister(ptr); }
+
+} // namespace rp
+
+#else
+
+namespace rp {
+GpuMemoryStats gpu_memory_stats(int) { return {}; }
+void reset_gpu_peak_memory(int) {}
+void release_cached_gpu_memory() {}
+bool register_host_memory(void *, int64_t) { return false; }
+void unregister_host_memory(void *) {}
+} // namespace rp
+
+#endif

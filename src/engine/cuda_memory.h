@@ -1,0 +1,24 @@
+// GPU memory facts and housekeeping, behind one small interface so that only this file and
+// cuda_lane.cpp include CUDA headers. Every function is a harmless no-op (or zero) without CUDA.
+#pragma once
+#include <cstdint>
+
+namespace rp {
+
+struct GpuMemoryStats {
+    int64_t allocated_bytes = 0;      // held by tensors now (caching allocator)
+    int64_t peak_allocated_bytes = 0; // since the last reset
+    int64_t free_bytes = 0;           // free on the device (driver)
+    int64_t total_bytes = 0;
+};
+
+GpuMemoryStats gpu_memory_stats(int device);
+void reset_gpu_peak_memory(int device);
+// Returns cached blocks to the driver, e.g. after an out-of-memory failure.
+void release_cached_gpu_memory();
+
+// Page-locks existing host memory (pin mode "register"); false when CUDA refuses.
+bool register_host_memory(void *ptr, int64_t bytes);
+void unregister_host_memory(void *ptr);
+
+} // namespace rp
