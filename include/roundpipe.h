@@ -305,8 +305,10 @@ RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
 
 /** GPU memory one model may use on each GPU, in bytes (default 0: 80% of the smallest free
  * memory among its GPUs at creation). The planner makes every stage's weights and gradients fit
- * in half of it, since two stages live on a GPU at once; activations come on top, so leave room.
- * Ignored on CPU devices. @return RP_OK or RP_ERR_INVALID_ARGUMENT (negative). */
+ * in half of it, since two stages live on a GPU at once; activations come on top. An explicit cap
+ * is enforced through libtorch's per-process memory fraction of each GPU (it applies to the
+ * whole process): going over it fails with RP_ERR_OUT_OF_MEMORY. Ignored on CPU devices.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (negative). */
 RP_API rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
 
 /** Seed of weight initialisation and of dropout (default 0).

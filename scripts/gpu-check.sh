@@ -27,7 +27,10 @@ step() { # name, command...
 
 step configure cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" &&
 step build cmake --build "$build" -j"$(nproc)" || { echo "SUMMARY: gpu-check build failed"; exit 1; }
+export RP_TRACE_OUT=$out/trace_4x_cap.json
 step gpu_tests ctest --test-dir "$build" -L gpu --output-on-failure
+[ -f "$RP_TRACE_OUT" ] && python3 "$root/bench/trace_summary.py" "$RP_TRACE_OUT" > "$out/trace_summary.json" &&
+  echo "trace of the 4x-cap model: $(cat "$out/trace_summary.json")"
 # The CPU suite again, now with a GPU visible: CPU devices must still be chosen where asked for.
 # Rust needs cargo and the ABI gate needs SWIG, which the GPU machines lack; CI runs both.
 step cpu_tests ctest --test-dir "$build" -L cpu -E '^(rust|abi_gate)$' -j8 --output-on-failure

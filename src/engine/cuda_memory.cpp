@@ -1,5 +1,7 @@
 #include "engine/cuda_memory.h"
 
+#include <algorithm>
+
 #ifdef RP_HAVE_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,6 +31,15 @@ void reset_gpu_peak_memory(int device) {
 
 void release_cached_gpu_memory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
+void limit_gpu_memory(int device, int64_t bytes) {
+    GpuMemoryStats s = gpu_memory_stats(device);
+    if (s.total_bytes <= 0)
+        return;
+    double fraction = std::min(1.0, static_cast<double>(bytes) / static_cast<double>(s.total_bytes));
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction,
+                                                       static_cast<c10::DeviceIndex>(device));
+}
+
 bool register_host_memory(void *ptr, int64_t bytes) {
     return bytes == 0 ||
            cudaHostRegister(ptr, static_cast<size_t>(bytes), cudaHostRegisterDefault) ==
@@ -45,6 +56,7 @@ namespace rp {
 GpuMemoryStats gpu_memory_stats(int) { return {}; }
 void reset_gpu_peak_memory(int) {}
 void release_cached_gpu_memory() {}
+void limit_gpu_memory(int, int64_t) {}
 bool register_host_memory(void *, int64_t) { return false; }
 void unregister_host_memory(void *) {}
 } // namespace rp

@@ -14,6 +14,9 @@ struct GpuMemoryStats {
 
 GpuMemoryStats gpu_memory_stats(int device);
 void reset_gpu_peak_memory(int device);
+// Makes libtorch's caching allocator refuse to hold more than `bytes` on `device`: allocations
+// beyond it fail with an out-of-memory error instead of growing. Per process and device.
+void limit_gpu_memory(int device, int64_t bytes);
 // Returns cached blocks to the driver, e.g. after an out-of-memory failure.
 void release_cached_gpu_memory();
 

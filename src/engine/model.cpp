@@ -56,6 +56,11 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
                 smallest_free = smallest_free < 0 ? free_b : std::min(smallest_free, free_b);
             }
             gpu_memory_cap_ = smallest_free / 10 * 8;
+        } else {
+            // An explicit cap is a promise: the allocator enforces it, so exceeding it is an
+            // out-of-memory error rather than a silent overrun.
+            for (size_t d = 0; d < num_devices(); ++d)
+                limit_gpu_memory(pipeline_.device(d).index(), gpu_memory_cap_);
         }
     }
     std::vector<double> cost;

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Summarise a RoundPipe timing record (rp_model_trace_json, Chrome trace JSON) as one JSON line.
+
+Per device, over the steady state (from the first compute to the last compute of the call):
+  compute_idle_fraction     share of that window with no compute running on the device;
+  weight_upload_hidden      share of weight-upload time that overlaps compute on the same device;
+  *_ms                      total time of each stream.
+
+    python3 bench/trace_summary.py trace.json
+"""
+import json
+import sys
+
+
+def union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def overlap(interval, merged):
+    start, end = interval
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+
+
+def summarise(events):
+    devices = {}
+    for e in events:
+        devices.setdefault(e["pid"], {}).setdefault(e["tid"], []).append(
+            (e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0))
+    out = {}
+    for device, streams in sorted(devices.items()):
+        compute = union(streams.get("compute", []))
+        if not compute:
+            continue
+        window = compute[-1][1] - compute[0][0]
+        busy = sum(b - a for a, b in compute)
+        weights = streams.get("weights", [])
+        weight_ms = sum(b - a for a, b in weights)
+        hidden = sum(overlap(w, compute) for w in weights)
+        out[f"device{device}"] = {
+            "window_ms": round(window, 3),
+            "compute_idle_fraction": round(1.0 - busy / window, 4) if window > 0 else 0.0,
+            "weight_upload_hidden": round(hidden / weight_ms, 4) if weight_ms > 0 else None,
+            **{f"{name}_ms": round(sum(b - a for a, b in spans), 3)
+               for name, spans in sorted(streams.items())},
+        }
+    return out
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        trace = json.load(f)
+    print(json.dumps(summarise(trace["traceEvents"])))
+
+
+if __name__ == "__main__":
+    main()
