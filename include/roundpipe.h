@@ -305,7 +305,9 @@ RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
 
 /** GPU memory one model may use on each GPU, in bytes (default 0: 80% of the smallest free
  * memory among its GPUs at creation). The planner makes every stage's weights and gradients fit
- * in half of it, since two stages live on a GPU at once; activations come on top. An explicit cap
+ * in a third of it, since a GPU holds two stages' weights and one stage's gradients at once and
+ * activations and library workspaces (cuBLAS keeps about 32 MiB per stream) need the rest; a
+ * layer too large for that fails rp_model_create. An explicit cap
  * is enforced through libtorch's per-process memory fraction of each GPU (it applies to the
  * whole process): going over it fails with RP_ERR_OUT_OF_MEMORY. Ignored on CPU devices.
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (negative). */
@@ -678,7 +680,8 @@ RP_API rp_status rp_model_create_from_hf_config(rp_model **out_model, const char
  * rp_model_create_from_hf_config (config.json of `dir` is not read). Every tensor is checked
  * before any weight changes: on error the model is unchanged. Synchronizes first; optimizer state
  * is kept; accumulated gradients are dropped. Later saves use the layout of `dir`.
- * @param model the model; @param dir the directory, borrowed.
+ * @param model the model.
+ * @param dir the directory, borrowed.
  * @return RP_OK; RP_ERR_IO as for rp_model_create_from_hf; RP_ERR_STATE for a model not built
  *         from a Hugging Face config; RP_ERR_INVALID_ARGUMENT.
  * Thread: the thread driving this model.
@@ -690,8 +693,10 @@ RP_API rp_status rp_model_load_hf(rp_model *model, const char *dir);
  * loads unchanged: config.json (its "dtype" set to the model dtype) and the weights in the model
  * dtype with Hugging Face tensor names, in the layout of the checkpoint last loaded (one file, or
  * the same shards and index). `dir` is created if missing (its parent must exist). Every file is
- * written under a temporary name first and renamed into place only when all are complete; on
- * error the previous files are intact. Tokenizer files are not copied.
+ * written under a temporary name first and renamed into place only when all are complete, so a
+ * failure while writing leaves the previous files intact. Tokenizer files are not copied.
+ * @param model the model.
+ * @param dir the directory, borrowed.
  * @return RP_OK; RP_ERR_IO (the message names the path); RP_ERR_STATE for a model not built from
  *         a Hugging Face config; RP_ERR_INVALID_ARGUMENT.
  * Thread: the thread driving this model.

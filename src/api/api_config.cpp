@@ -264,13 +264,22 @@ rp_status rp_loss_create(rp_loss **out_loss, int32_t kind) {
         require_arg(out_loss, "out_loss is NULL");
         require(kind >= RP_LOSS_OUTPUT && kind <= RP_LOSS_CAUSAL_LM,
                 "loss kind must be RP_LOSS_OUTPUT, RP_LOSS_MSE, RP_LOSS_CROSS_ENTROPY or "
-                "RP_LOSS_CAUSAL_LM, got " +
-                    std::to_string(kind));
+                "RP_LOSS_CAUSAL_LM, got " + std::to_string(kind));
         auto loss = std::make_unique<rp_loss>();
-        loss->kind = kind == RP_LOSS_OUTPUT  ? LossKind::Output
-                     : kind == RP_LOSS_MSE   ? LossKind::Mse
-                     : kind == RP_LOSS_CAUSAL_LM ? LossKind::CausalLm
-                                             : LossKind::CrossEntropy;
+        switch (kind) {
+        case RP_LOSS_OUTPUT:
+            loss->kind = LossKind::Output;
+            break;
+        case RP_LOSS_MSE:
+            loss->kind = LossKind::Mse;
+            break;
+        case RP_LOSS_CROSS_ENTROPY:
+            loss->kind = LossKind::CrossEntropy;
+            break;
+        default:
+            loss->kind = LossKind::CausalLm;
+            break;
+        }
         *out_loss = loss.release();
     });
 }

@@ -40,7 +40,8 @@ void install(Model &m, const ParamNames &names, const HfCheckpoint &ckpt) {
     for (const std::string &name : names.ours) {
         int64_t i = m.params().find(name);
         if (i < 0)
-            fail(ErrorKind::Internal, "parameter \"" + name + "\" of the layers is not in the store");
+            fail(ErrorKind::Internal,
+                 "parameter \"" + name + "\" of the layers is not in the store");
         index.push_back(static_cast<size_t>(i));
     }
     m.synchronize();
@@ -54,7 +55,11 @@ void install(Model &m, const ParamNames &names, const HfCheckpoint &ckpt) {
 rp_model *create(const HfModelConfig &config, const rp_model_options *options,
                  const std::string *dir) {
     ModelOptions opts = options ? options->options : ModelOptions();
-    auto layers = parse_model_spec(hf_model_spec(config));
+    // Weights that a checkpoint overwrites are not drawn first (init_std 0: zero-filled).
+    HfModelConfig layer_config = config;
+    if (dir)
+        layer_config.init_std = 0.0;
+    auto layers = parse_model_spec(hf_model_spec(layer_config));
     ParamNames names = param_names(config, layers);
     // The checkpoint is validated before the model (and its memory) exists.
     HfCheckpoint ckpt;
@@ -110,7 +115,8 @@ rp_status rp_model_load_hf(rp_model *model, const char *dir) {
         rp_hf_info &hf = hf_of(model);
         require_arg(dir, "dir is NULL");
         Model &m = *model->model;
-        require(!m.on_optimizer_thread(), "rp_model_load_hf may not be called from a step callback");
+        require(!m.on_optimizer_thread(),
+                "rp_model_load_hf may not be called from a step callback");
         // The layers are rebuilt from the config only to list the parameters and their shapes.
         auto layers = parse_model_spec(hf_model_spec(hf.config));
         ParamNames names = param_names(hf.config, layers);
@@ -125,7 +131,8 @@ rp_status rp_model_save_hf(rp_model *model, const char *dir) {
         rp_hf_info &hf = hf_of(model);
         require_arg(dir, "dir is NULL");
         Model &m = *model->model;
-        require(!m.on_optimizer_thread(), "rp_model_save_hf may not be called from a step callback");
+        require(!m.on_optimizer_thread(),
+                "rp_model_save_hf may not be called from a step callback");
         m.synchronize();
         std::vector<NamedTensor> tensors;
         for (size_t i = 0; i < m.params().size(); ++i)

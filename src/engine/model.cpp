@@ -84,8 +84,10 @@ Model::~Model() {
 std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) const {
     if (!explicit_plan_.empty())
         return plan_explicit(explicit_plan_, layers_.size());
-    // A stage's device footprint: its weights and their gradients in the model dtype. Two stages
-    // live on a GPU at once (one computing, one arriving), so a stage may use half the cap.
+    // A stage's device footprint: its weights and their gradients in the model dtype. A GPU holds
+    // two stages' weights (one computing, one arriving) and one stage's gradients, and needs room
+    // for activations and library workspaces besides: a stage may use a third of the cap, which
+    // keeps it well within the half that two resident stages allow.
     std::vector<double> bytes(layers_.size(), 0.0);
     for (size_t l = 0; l < layers_.size(); ++l)
         for (size_t pi : store_.layer_params(l))
@@ -93,7 +95,7 @@ std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) co
     // Two stages per device keeps every device busy with the fused schedule while each stage
     // stays large enough to amortise its hand-offs.
     return plan_balanced(layer_costs, bytes, std::max<size_t>(2, 2 * num_devices()),
-                         has_cuda_devices() ? gpu_memory_cap_ / 2.0 : 0.0);
+                         has_cuda_devices() ? gpu_memory_cap_ / 3.0 : 0.0);
 }
 
 void Model::replan_from_trace() {

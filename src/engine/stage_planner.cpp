@@ -23,7 +23,7 @@ std::vector<Stage> plan_balanced(const std::vector<double> &cost,
                  "layer " + std::to_string(i) + " needs " + std::to_string(bytes[i] / 1048576.0) +
                      " MiB on the GPU (weights and gradients), more than a stage may use (" +
                      std::to_string(max_bytes / 1048576.0) +
-                     " MiB, half the GPU memory cap); raise the cap or split the layer");
+                     " MiB, a third of the GPU memory cap); raise the cap or split the layer");
     }
     // Fewest stages the memory limit allows: a lower bound, the DP below finds a feasible split.
     size_t k_min = std::max<size_t>(1, std::min(min_stages, n));

@@ -90,8 +90,8 @@ RopeSpec read_rope(const json &root, const ConfigReader &r, int64_t max_position
     if (!(rope.theta > 0))
         r.unsupported("rope_theta must be positive");
     rope.type = r.text(params, "rope_type", r.text(params, "type", "default"));
-    double partial = r.number(params, "partial_rotary_factor",
-                              r.number(root, "partial_rotary_factor", 1.0));
+    double partial =
+        r.number(params, "partial_rotary_factor", r.number(root, "partial_rotary_factor", 1.0));
     if (partial != 1.0)
         r.unsupported("partial_rotary_factor " + std::to_string(partial) +
                       " is not supported (only 1.0)");
@@ -154,8 +154,8 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
     c.kv_heads = r.positive_or("num_key_value_heads", c.heads);
     if (c.heads % c.kv_heads != 0)
         r.unsupported("num_attention_heads (" + std::to_string(c.heads) +
-                      ") must be a multiple of num_key_value_heads (" +
-                      std::to_string(c.kv_heads) + ")");
+                      ") must be a multiple of num_key_value_heads (" + std::to_string(c.kv_heads) +
+                      ")");
     // Defaults of the transformers classes: Qwen3Config has head_dim 128, LlamaConfig derives it.
     if (!qwen3 && !r.find(root, "head_dim") && c.hidden % c.heads != 0)
         r.unsupported("hidden_size is not a multiple of num_attention_heads; give \"head_dim\"");
@@ -222,7 +222,8 @@ std::string hf_model_spec(const HfModelConfig &c) {
     for (int64_t i = 0; i < c.layers; ++i)
         layers.push_back(decoder);
     layers.push_back({{"type", "rms_norm"}, {"dim", c.hidden}, {"eps", c.eps}});
-    json head = {{"type", "lm_head"}, {"dim", c.hidden}, {"vocab", c.vocab}, {"init_std", c.init_std}};
+    json head = {
+        {"type", "lm_head"}, {"dim", c.hidden}, {"vocab", c.vocab}, {"init_std", c.init_std}};
     if (c.tied)
         head["tied_to"] = "0.weight";
     layers.push_back(head);

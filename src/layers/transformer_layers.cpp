@@ -12,8 +12,10 @@ namespace {
 // weights of any model worth pipelining, large enough that each chunk's matmul is efficient.
 constexpr int64_t kChunkLogits = int64_t{1} << 25;
 
+// normal(0, 0) is zeros, and zero-filling is a memset where drawing is a serial generator: models
+// whose weights come from a checkpoint are built with init_std 0 so creation stays fast.
 ParamSpec normal_param(const std::string &name, std::vector<int64_t> shape, double std) {
-    return {name, std::move(shape), InitKind::Normal, std};
+    return {name, std::move(shape), std > 0 ? InitKind::Normal : InitKind::Zeros, std};
 }
 
 // Hugging Face's LlamaRMSNorm / Qwen3RMSNorm: normalise in fp32, round to the input dtype, then
@@ -51,8 +53,8 @@ at::Tensor inverse_frequencies(const RopeSpec &rope, int64_t head_dim) {
     at::Tensor smooth = (wavelen.reciprocal() * old_len - rope.low_freq_factor) /
                         (rope.high_freq_factor - rope.low_freq_factor);
     at::Tensor smoothed = (1.0 - smooth) * scaled / rope.factor + smooth * scaled;
-    at::Tensor medium = at::logical_not(wavelen < high_wavelen) *
-                        at::logical_not(wavelen > low_wavelen);
+    at::Tensor medium =
+        at::logical_not(wavelen < high_wavelen) * at::logical_not(wavelen > low_wavelen);
     return at::where(medium, smoothed, scaled);
 }
 
@@ -147,10 +149,10 @@ class DecoderLayer final : public Layer {
         if (mask.defined()) {
             TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == b && mask.size(1) == t,
                               "decoder_layer: the attention mask (input 1) must be [batch, seq] = "
-                              "[", b, ", ", t, "], got ", mask.sizes());
+                              "[",
+                              b, ", ", t, "], got ", mask.sizes());
             at::Tensor keep = mask.ne(0).view({b, 1, 1, t});
-            at::Tensor causal =
-                at::ones({t, t}, x.options().dtype(at::kBool)).tril_();
+            at::Tensor causal = at::ones({t, t}, x.options().dtype(at::kBool)).tril_();
             // A query always sees itself: a row that padding would empty entirely (left
             // padding) stays finite, and rows with any visible key are unchanged by it.
             at::Tensor self = at::eye(t, x.options().dtype(at::kBool));
@@ -176,8 +178,8 @@ class DecoderLayer final : public Layer {
         if (positions.defined()) {
             TORCH_CHECK_VALUE(!at::isFloatingType(positions.scalar_type()),
                               "decoder_layer: position ids (input 2) must be integers");
-            TORCH_CHECK_VALUE(positions.dim() == 2 && (positions.size(0) == b ||
-                                                       positions.size(0) == 1) &&
+            TORCH_CHECK_VALUE(positions.dim() == 2 &&
+                                  (positions.size(0) == b || positions.size(0) == 1) &&
                                   positions.size(1) == t,
                               "decoder_layer: position ids (input 2) must be [batch, seq] = [", b,
                               ", ", t, "] or [1, ", t, "], got ", positions.sizes());
@@ -267,9 +269,11 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
         TORCH_CHECK(grad_h.defined(), "lm_head: the fused loss was computed without gradients");
         const at::Tensor &g = grad_out[0];
         auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-        at::Tensor gh = grad_h * g.to(grad_h.scalar_type());
-        at::Tensor gw = (grad_w * g).to(w_dtype);
-        return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+        // In place: backward runs once, and a second [vocab, dim] buffer would raise the peak.
+        ctx->saved_data.clear();
+        grad_h.mul_(g.to(grad_h.scalar_type()));
+        grad_w.mul_(g);
+        return {grad_h, grad_w.to(w_dtype), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -278,15 +282,17 @@ class LmHead final : public Layer {
     LmHead(int64_t dim, int64_t vocab, const std::string &tied_to, double init_std,
            int64_t chunk_tokens)
         : dim_(dim), vocab_(vocab), chunk_tokens_(chunk_tokens) {
-        params_.push_back({"weight", {vocab, dim}, InitKind::Normal, init_std, tied_to});
+        ParamSpec weight = normal_param("weight", {vocab, dim}, init_std);
+        weight.tied_to = tied_to;
+        params_.push_back(std::move(weight));
     }
     std::string type() const override { return "lm_head"; }
     int64_t vocab() const { return vocab_; }
 
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
                        const LayerContext &ctx) const override {
-        TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == dim_, "lm_head needs inputs [..., ",
-                          dim_, "], got ", x.sizes());
+        TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == dim_, "lm_head needs inputs [..., ", dim_,
+                          "], got ", x.sizes());
         const at::Tensor &w = p[0];
         if (!ctx.labels || !ctx.labels->defined() || at::isFloatingType(ctx.labels->scalar_type()))
             return at::linear(x, w);
@@ -295,17 +301,19 @@ class LmHead final : public Layer {
                               labels.size(1) == x.size(1),
                           "lm_head: labels must be [batch, seq] like the token ids; got labels ",
                           labels.sizes(), " for hidden states ", x.sizes());
+        TORCH_CHECK_VALUE(x.size(1) >= 1, "lm_head: sequences must hold at least one token");
         const int64_t b = x.size(0), t = x.size(1);
         // Token i predicts label i + 1; the last token of each row has no target.
-        at::Tensor targets = at::cat({labels.narrow(1, 1, std::max<int64_t>(t - 1, 0)).to(at::kLong),
-                                      at::full({b, std::min<int64_t>(t, 1)}, kIgnoreIndex,
-                                               labels.options().dtype(at::kLong))},
-                                     1)
-                                 .reshape({-1});
+        at::Tensor targets =
+            at::cat({labels.narrow(1, 1, t - 1).to(at::kLong),
+                     at::full({b, 1}, kIgnoreIndex, labels.options().dtype(at::kLong))},
+                    1)
+                .reshape({-1});
         at::Tensor h = x.reshape({-1, dim_});
         const int64_t chunk =
             chunk_tokens_ > 0 ? chunk_tokens_ : std::max<int64_t>(1, kChunkLogits / vocab_);
-        const bool want_grad = at::GradMode::is_enabled() && (h.requires_grad() || w.requires_grad());
+        const bool want_grad =
+            at::GradMode::is_enabled() && (h.requires_grad() || w.requires_grad());
         return ChunkedCausalLmLoss::apply(h, w, targets, chunk, want_grad);
     }
 

@@ -18,10 +18,10 @@ constexpr int64_t kIgnoreIndex = -100;
 struct RopeSpec {
     double theta = 10000.0;
     std::string type = "default";
-    double factor = 1.0;                    // linear, llama3
-    double low_freq_factor = 1.0;           // llama3
-    double high_freq_factor = 4.0;          // llama3
-    int64_t original_max_positions = 8192;  // llama3
+    double factor = 1.0;                   // linear, llama3
+    double low_freq_factor = 1.0;          // llama3
+    double high_freq_factor = 4.0;         // llama3
+    int64_t original_max_positions = 8192; // llama3
 };
 
 struct DecoderSpec {

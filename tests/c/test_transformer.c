@@ -9,6 +9,8 @@
  * with several microbatch counts, 1-3 CPU devices, both recompute grains, with and without
  * padding masks and position ids. fp32 throughout: relative 1e-4 (norm-based), the accuracy of
  * fp32 after a few hundred accumulated roundings.
+ * With RP_TEST_DEVICE=cuda the models run on GPUs (at most the visible number; exit 77, skipped,
+ * without one) against the same CPU reference.
  */
 #define _GNU_SOURCE
 #include "test_support.h"
@@ -410,6 +412,14 @@ static void a_few_adamw_steps_lower_the_loss(void **state) {
 }
 
 int main(void) {
+    if (ts_device_kind() == RP_DEVICE_CUDA) {
+        int32_t gpus = 0;
+        TS_OK(rp_cuda_device_count(&gpus));
+        if (gpus == 0) {
+            printf("no CUDA device visible: skipping\n");
+            return 77;
+        }
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(qwen3_logits_loss_and_grads_match_reference),
         cmocka_unit_test(qwen3_tied_logits_loss_and_grads_match_reference),

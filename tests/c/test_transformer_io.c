@@ -119,8 +119,8 @@ typedef struct ckpt_opts {
 static void write_ckpt(const char *dir, rp_model *m, const char *config, const ckpt_opts *o) {
     ts_params *w = ts_masters(m);
     ref_st_entry *e = calloc(w->count + 1, sizeof *e);
-    char (*names)[256] = calloc(w->count, 256);
-    int64_t (*shapes)[8] = calloc(w->count + 1, sizeof *shapes);
+    char(*names)[256] = calloc(w->count, 256);
+    int64_t(*shapes)[8] = calloc(w->count + 1, sizeof *shapes);
     size_t n = 0;
     for (size_t i = 0; i < w->count; ++i) {
         hf_name(names[i], 256, w->names[i]);
@@ -178,8 +178,8 @@ static void saved_directory_has_hf_names_config_and_reloads_bitwise(void **state
         ref_st_close(st);
         char *cfg_path = path_in(dir, "config.json");
         char *cfg = read_file(cfg_path, NULL);
-        assert_true(ts_contains(cfg, c == 0 ? "\"dtype\": \"float32\""
-                                            : "\"torch_dtype\": \"float32\""));
+        assert_true(
+            ts_contains(cfg, c == 0 ? "\"dtype\": \"float32\"" : "\"torch_dtype\": \"float32\""));
         assert_true(ts_contains(cfg, c == 0 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
         rp_model *b = load_dir(dir);
         ts_params *wb = ts_masters(b);
@@ -347,16 +347,17 @@ static int fresh_dir(void **state) {
     return 0;
 }
 
-/* Loading `dir` fails with `status`, into the target and as a new model; the target is unchanged. */
-#define ASSERT_LOAD_FAILS(f, status, ...)                                                         \
-    do {                                                                                          \
-        TS_ERR(rp_model_load_hf((f)->target, (f)->dir), status, __VA_ARGS__);                    \
-        rp_model *fresh_ = NULL;                                                                  \
-        TS_ERR(rp_model_create_from_hf(&fresh_, (f)->dir, NULL), status, __VA_ARGS__);           \
-        assert_null(fresh_);                                                                      \
-        ts_params *now_ = ts_masters((f)->target);                                                \
-        ts_assert_params_equal(now_, (f)->before);                                                \
-        ts_params_free(now_);                                                                     \
+/* Loading `dir` fails with `status`, into the target and as a new model; the target is unchanged.
+ */
+#define ASSERT_LOAD_FAILS(f, status, ...)                                                          \
+    do {                                                                                           \
+        TS_ERR(rp_model_load_hf((f)->target, (f)->dir), status, __VA_ARGS__);                      \
+        rp_model *fresh_ = NULL;                                                                   \
+        TS_ERR(rp_model_create_from_hf(&fresh_, (f)->dir, NULL), status, __VA_ARGS__);             \
+        assert_null(fresh_);                                                                       \
+        ts_params *now_ = ts_masters((f)->target);                                                 \
+        ts_assert_params_equal(now_, (f)->before);                                                 \
+        ts_params_free(now_);                                                                      \
     } while (0)
 
 static void good_checkpoints_load_into_the_target_and_back(void **state) {
@@ -504,8 +505,8 @@ static void bad_arguments_give_messages_and_the_model_still_trains(void **state)
     TS_ERR(rp_model_save_hf(f->target, NULL), RP_ERR_INVALID_ARGUMENT, "dir");
     TS_ERR(rp_model_save_hf(f->target, "/nonexistent-rp/parent/dir"), RP_ERR_IO,
            "/nonexistent-rp/parent/dir");
-    rp_model *spec = ts_model("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}]}", 0,
-                              1, NULL, 0);
+    rp_model *spec =
+        ts_model("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}]}", 0, 1, NULL, 0);
     TS_ERR(rp_model_save_hf(spec, f->dir), RP_ERR_STATE, "Hugging Face");
     TS_ERR(rp_model_load_hf(spec, f->dir), RP_ERR_STATE, "Hugging Face");
     rp_loss *lm = NULL;
@@ -515,8 +516,8 @@ static void bad_arguments_give_messages_and_the_model_still_trains(void **state)
     int64_t xs[2] = {2, 2};
     DLManagedTensor *xin = ts_f32(2, xs, x), *xl = ts_i64(2, xs, NULL);
     const DLManagedTensor *xinputs[1] = {xin};
-    TS_ERR(rp_forward_backward(NULL, NULL, spec, xinputs, 1, xl, lm, NULL),
-           RP_ERR_INVALID_ARGUMENT, "lm_head");
+    TS_ERR(rp_forward_backward(NULL, NULL, spec, xinputs, 1, xl, lm, NULL), RP_ERR_INVALID_ARGUMENT,
+           "lm_head");
     rp_model_destroy(spec);
 
     int64_t shape[2] = {4, 5};

@@ -11,7 +11,8 @@ loads the directory (rp_model_create_from_hf) and both compute, on a right-padde
   * the causal-LM loss (RP_LOSS_CAUSAL_LM, 3 microbatches; transformers' `labels=` loss),
   * the gradient of every parameter.
 Tolerances (norm-based relative error): fp32 logits and loss 1e-4, gradients 1e-3; bf16 (both
-sides in bf16) logits, loss and gradients 2e-2. The reverse direction: RoundPipe takes an AdamW
+sides in bf16) logits, loss and gradients 2e-2 (a bf16 gradient further off still passes when it
+is no further from the fp32 gradient than 1.5x transformers' own bf16 gradient is). The reverse direction: RoundPipe takes an AdamW
 step, saves with rp_model_save_hf, transformers loads the directory and its logits must match
 RoundPipe's (fp32, 1e-4); a sharded checkpoint is saved back with the same shards.
 On CUDA, a last check trains a model with vocabulary 151936 on 8192 tokens and asserts that the
@@ -228,6 +229,7 @@ def compare_family(name, cls, config, args, root):
     ids, mask, labels = batch(config.vocab_size, 7)
     real = mask.bool()
     L = config.num_hidden_layers
+    hf32 = {}  # transformers' fp32 gradients, the truth the bf16 gradients are measured against
 
     for dtype_name, rp_dtype, tdtype, tol_out, tol_grad in (
             ("fp32", _capi.RP_DTYPE_F32, torch.float32, 1e-4, 1e-3),
@@ -256,15 +258,36 @@ def compare_family(name, cls, config, args, root):
                   "rp %.6f hf %.6f rel %.2e" % (loss, out.loss.item(), err))
             hf_params = dict(model.named_parameters())
             grads = rp.params(grads=True)
-            worst, worst_name = 0.0, ""
-            for ours, g in grads.items():
-                p = hf_params[hf_name(ours, L)]
-                e = rel(g, p.grad.float())
-                if e > worst:
-                    worst, worst_name = e, hf_name(ours, L)
-            n_hf = len([p for p in model.parameters()])
-            check("%s %s grads" % (name, dtype_name), worst <= tol_grad and len(grads) == n_hf,
-                  "%d tensors, worst rel %.2e (%s)" % (len(grads), worst, worst_name))
+            n_hf = len(hf_params)
+            if dtype_name == "fp32":
+                worst, worst_name = 0.0, ""
+                for ours, g in grads.items():
+                    p = hf_params[hf_name(ours, L)]
+                    hf32[hf_name(ours, L)] = p.grad.detach().float().cpu()
+                    e = rel(g, p.grad.float())
+                    if e > worst:
+                        worst, worst_name = e, hf_name(ours, L)
+                check("%s %s grads" % (name, dtype_name), worst <= tol_grad and len(grads) == n_hf,
+                      "%d tensors, worst rel %.2e (%s)" % (len(grads), worst, worst_name))
+            else:
+                # Both sides carry bf16 rounding noise of about 1e-2 against the fp32 truth.
+                # A gradient passes when it is within 2e-2 of transformers' bf16 one, or, failing
+                # that, at most 1.5x as far from transformers' fp32 gradient as transformers' own
+                # bf16 gradient is.
+                worst16, worst_name, bad = 0.0, "", []
+                for ours, g in grads.items():
+                    hn = hf_name(ours, L)
+                    e16 = rel(g, hf_params[hn].grad.float())
+                    if e16 > worst16:
+                        worst16, worst_name = e16, hn
+                    if e16 > tol_grad and hn in hf32:
+                        e32 = rel(g, hf32[hn])
+                        base = rel(hf_params[hn].grad.float(), hf32[hn])
+                        if e32 > max(tol_grad, 1.5 * base):
+                            bad.append("%s (%.2e vs fp32, transformers bf16 %.2e)" % (hn, e32, base))
+                check("%s %s grads" % (name, dtype_name), not bad and len(grads) == n_hf,
+                      "%d tensors, worst rel to transformers bf16 %.2e (%s)%s" % (
+                          len(grads), worst16, worst_name, "; " + ", ".join(bad) if bad else ""))
 
             if dtype_name != "fp32":
                 continue
@@ -294,7 +317,7 @@ def compare_family(name, cls, config, args, root):
 
 def chunked_loss_memory(args):
     """Peak GPU memory of a training call with vocabulary 151936 on 8192 tokens stays below
-    the size of the full logits."""
+    the size of the full logits (RoundPipe's own counter of libtorch's caching allocator)."""
     vocab, tokens = 151936, 8192
     cfg = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -305,13 +328,16 @@ def chunked_loss_memory(args):
         try:
             g = torch.Generator().manual_seed(3)
             ids = torch.randint(0, vocab, (2, tokens // 2), generator=g)
-            rp.forward_backward([ids], ids, 2)  # warm-up: allocator and kernels
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            loss = rp.forward_backward([ids], ids, 2)
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
+            rp.forward_backward([ids], ids, 1)  # warm-up: allocator and kernels
+            L = rp.L
+            alloc, peak = ctypes.c_int64(), ctypes.c_int64()
+            L.rp_synchronize(rp.h)
+            L.rp_cuda_memory_stats(ctypes.byref(alloc), ctypes.byref(peak), 0)
+            base = alloc.value
+            L.rp_cuda_reset_peak_memory(0)
+            loss = rp.forward_backward([ids], ids, 1)  # all 8192 tokens in one microbatch
+            L.rp_cuda_memory_stats(ctypes.byref(alloc), ctypes.byref(peak), 0)
+            peak = peak.value - base
             full = tokens * vocab * nbytes
             check("chunked loss memory %s" % dtype_name,
                   peak < full and math.isfinite(loss) and peak > 0,

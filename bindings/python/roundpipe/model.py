@@ -34,15 +34,17 @@ _PIN_MODES = {"alloc": _capi.RP_PIN_ALLOC, "register": _capi.RP_PIN_REGISTER,
 _DEVICE_KINDS = {"auto": _capi.RP_DEVICE_AUTO, "cpu": _capi.RP_DEVICE_CPU,
                  "cuda": _capi.RP_DEVICE_CUDA}
 _LOSSES = {"output": _capi.RP_LOSS_OUTPUT, "mse": _capi.RP_LOSS_MSE,
-           "cross_entropy": _capi.RP_LOSS_CROSS_ENTROPY}
+           "cross_entropy": _capi.RP_LOSS_CROSS_ENTROPY, "causal_lm": _capi.RP_LOSS_CAUSAL_LM}
 
 
 class BuiltinLoss:
     """A loss computed inside the engine (no Python per microbatch): ``"output"`` (the model's
     output is the loss), ``"mse"`` (mean squared error against float labels of the output's
-    shape) or ``"cross_entropy"`` (mean cross entropy of logits [N, C] against int64 labels
-    [N]); each computed per microbatch and multiplied by `scale` (use
-    ``scale=1/num_microbatch`` for the mean over the whole batch). A string works too:
+    shape), ``"cross_entropy"`` (mean cross entropy of logits [N, C] against int64 labels
+    [N]) or ``"causal_lm"`` (for a model ending in an ``lm_head`` layer: token cross entropy
+    against labels [batch, seq], -100 for no target, already the mean over the batch's targets);
+    each computed per microbatch and multiplied by `scale` (use ``scale=1/num_microbatch`` for the
+    mean over the whole batch, except with ``"causal_lm"``). A string works too:
     ``loss_fn="mse"`` is ``BuiltinLoss("mse")``."""
 
     def __init__(self, kind, scale=1.0):

@@ -50,7 +50,7 @@ struct ref_lm {
     bool qwen3 = false, tied = false;
     int64_t vocab = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0;
     double eps = 1e-6;
-    std::vector<double> inv_freq; // per rotated pair
+    std::vector<double> inv_freq;           // per rotated pair
     std::map<std::string, torch::Tensor> w; // leaves, Hugging Face names
 
     torch::Tensor p(const std::string &name) {
@@ -83,8 +83,8 @@ struct ref_lm {
         torch::Tensor angle = positions.to(torch::kFloat64).unsqueeze(-1) * freq; // [B, T, d/2]
         torch::Tensor cos = angle.cos().to(torch::kFloat32), sin = angle.sin().to(torch::kFloat32);
         torch::Tensor i = torch::arange(T).unsqueeze(1), j = torch::arange(T).unsqueeze(0);
-        torch::Tensor allowed = ((j <= i).unsqueeze(0) & (mask != 0).unsqueeze(1)) |
-                                (j == i).unsqueeze(0); // [B, T, T]
+        torch::Tensor allowed =
+            ((j <= i).unsqueeze(0) & (mask != 0).unsqueeze(1)) | (j == i).unsqueeze(0); // [B, T, T]
         for (int64_t l = 0; l < layers; ++l) {
             const std::string pre = "model.layers." + std::to_string(l) + ".";
             torch::Tensor h = rms(x, p(pre + "input_layernorm.weight"), eps);
@@ -106,8 +106,8 @@ struct ref_lm {
             attn = attn.permute({0, 2, 1, 3}).reshape({B, T, heads * head_dim});
             x = x + lin(attn, pre + "self_attn.o_proj");
             torch::Tensor h2 = rms(x, p(pre + "post_attention_layernorm.weight"), eps);
-            torch::Tensor mlp = torch::silu(lin(h2, pre + "mlp.gate_proj")) *
-                                lin(h2, pre + "mlp.up_proj");
+            torch::Tensor mlp =
+                torch::silu(lin(h2, pre + "mlp.gate_proj")) * lin(h2, pre + "mlp.up_proj");
             x = x + lin(mlp, pre + "mlp.down_proj");
         }
         x = rms(x, p("model.norm.weight"), eps);
@@ -142,13 +142,14 @@ ref_lm *ref_lm_load(const char *dir) {
         m->head_dim = get_or<int64_t>(c, "head_dim", m->qwen3 ? 128 : m->hidden / m->heads);
         m->eps = get_or<double>(c, "rms_norm_eps", 1e-6);
         m->tied = get_or<bool>(c, "tie_word_embeddings", false);
-        json rope = c.contains("rope_parameters") && c["rope_parameters"].is_object()
-                        ? c["rope_parameters"]
-                    : c.contains("rope_scaling") && c["rope_scaling"].is_object()
-                        ? c["rope_scaling"]
-                        : json::object();
-        const double theta = get_or<double>(rope, "rope_theta", get_or<double>(c, "rope_theta", 1e4));
-        std::string type = get_or<std::string>(rope, "rope_type", get_or<std::string>(rope, "type", "default"));
+        json rope =
+            c.contains("rope_parameters") && c["rope_parameters"].is_object() ? c["rope_parameters"]
+            : c.contains("rope_scaling") && c["rope_scaling"].is_object()     ? c["rope_scaling"]
+                                                                              : json::object();
+        const double theta =
+            get_or<double>(rope, "rope_theta", get_or<double>(c, "rope_theta", 1e4));
+        std::string type =
+            get_or<std::string>(rope, "rope_type", get_or<std::string>(rope, "type", "default"));
         // Llama 3.1: long wavelengths slowed down by `factor`, short ones kept, a smooth blend
         // between the two bands.
         for (int64_t i = 0; i < m->head_dim / 2; ++i) {
@@ -159,9 +160,9 @@ ref_lm *ref_lm_load(const char *dir) {
                 const double factor = rope["factor"].get<double>();
                 const double low = rope["low_freq_factor"].get<double>();
                 const double high = rope["high_freq_factor"].get<double>();
-                const double old = get_or<double>(
-                    rope, "original_max_position_embeddings",
-                    get_or<double>(c, "max_position_embeddings", 2048));
+                const double old =
+                    get_or<double>(rope, "original_max_position_embeddings",
+                                   get_or<double>(c, "max_position_embeddings", 2048));
                 const double wavelen = 2.0 * M_PI / f;
                 if (wavelen > old / low) {
                     f /= factor;

@@ -360,7 +360,7 @@ end
     Loss(kind=:mse; scale=1.0)
     Loss(f::Function; scale=1.0)
 
-A built-in loss (`:output`, `:mse`, `:cross_entropy`), or a loss computed by
+A built-in loss (`:output`, `:mse`, `:cross_entropy`, `:causal_lm`), or a loss computed by
 `f(outputs, labels, microbatch) -> (loss::Real, grad::AbstractArray)` for one microbatch:
 `outputs` and `labels` (or `nothing`) are Julia copies, `grad` is d(loss)/d(outputs) of the
 outputs' size. `f` runs on a library thread (not a Julia task); an exception in it fails the
@@ -376,7 +376,8 @@ mutable struct Loss
         _ensure_abi()
         code = kind === :output ? L.RP_LOSS_OUTPUT : kind === :mse ? L.RP_LOSS_MSE :
                kind === :cross_entropy ? L.RP_LOSS_CROSS_ENTROPY :
-               _invalid("loss kind must be :output, :mse or :cross_entropy, got :$kind")
+               kind === :causal_lm ? L.RP_LOSS_CAUSAL_LM :
+               _invalid("loss kind must be :output, :mse, :cross_entropy or :causal_lm, got :$kind")
         out = Ref{Ptr{L.rp_loss}}(C_NULL)
         @check L.rp_loss_create(out, Int32(code))
         l = _handle(new(out[], nothing, nothing))

@@ -19,6 +19,10 @@ pub enum LossKind {
     Mse,
     /// Mean cross entropy of logits [N, C] against int64 labels [N].
     CrossEntropy,
+    /// Causal-LM cross entropy fused into a last `lm_head` layer (chunked, labels: token ids
+    /// [batch, seq] shaped like input 0, -100 for no target); the mean over every target of
+    /// the call.
+    CausalLm,
 }
 
 /// What a loss closure receives for one microbatch. The views are valid during the call only.
@@ -143,6 +147,7 @@ impl Loss {
             LossKind::Output => sys::RP_LOSS_OUTPUT,
             LossKind::Mse => sys::RP_LOSS_MSE,
             LossKind::CrossEntropy => sys::RP_LOSS_CROSS_ENTROPY,
+            LossKind::CausalLm => sys::RP_LOSS_CAUSAL_LM,
         };
         let mut p = std::ptr::null_mut();
         // SAFETY: p is a valid out-pointer.
