@@ -313,6 +313,20 @@ RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (negative). */
 RP_API rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
 
+/**
+ * Dynamic loss scaling (torch.amp.GradScaler's rule): the loss is multiplied by the scale for
+ * backward and the gradients divided by it as they accumulate; a step whose gradients hold inf or
+ * nan is skipped (the weights stay) and halves the scale; `growth_interval` good steps in a row
+ * double it. The step decides on the optimizer thread, so under async steps a new scale reaches
+ * the training call after the next (one iteration late, as upstream). Reported losses are
+ * unscaled. Default: on with 65536 and 2000 for RP_DTYPE_F16 models, off otherwise.
+ * @param initial_scale > 0 turns scaling on with that scale; 0 turns it off.
+ * @param growth_interval >= 1.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT.
+ */
+RP_API rp_status rp_model_options_set_grad_scaler(rp_model_options *options, double initial_scale,
+                                                  int32_t growth_interval);
+
 /** Seed of weight initialisation and of dropout (default 0).
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
@@ -363,6 +377,11 @@ RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model)
 
 /** Number of optimizer steps enqueued so far (built-in or callback). */
 RP_API rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
+
+/** Current loss scale (0 when loss scaling is off) and the number of steps skipped so far for
+ * overflowing gradients. Read after rp_synchronize for the latest values. */
+RP_API rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps,
+                                     const rp_model *model);
 
 /** The GPU memory cap in force (0 on CPU devices). */
 RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);

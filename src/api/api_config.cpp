@@ -214,6 +214,20 @@ rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t
     });
 }
 
+rp_status rp_model_options_set_grad_scaler(rp_model_options *options, double initial_scale,
+                                           int32_t growth_interval) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(std::isfinite(initial_scale) && initial_scale >= 0,
+                "initial loss scale must be finite and >= 0 (0: off), got " +
+                    std::to_string(initial_scale));
+        require(growth_interval >= 1,
+                "growth_interval must be >= 1, got " + std::to_string(growth_interval));
+        options->options.grad_scale = initial_scale;
+        options->options.grad_scale_growth_interval = growth_interval;
+    });
+}
+
 rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed) {
     return guard([&] {
         require_arg(options, "options is NULL");

@@ -176,6 +176,16 @@ rp_status rp_model_step_count(int64_t *out_count, const rp_model *model) {
     });
 }
 
+rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps,
+                              const rp_model *model) {
+    return guard([&] {
+        require_arg(out_scale && out_skipped_steps, "output pointer is NULL");
+        const Model &m = model_of(model);
+        *out_scale = m.grad_scale();
+        *out_skipped_steps = m.skipped_steps();
+    });
+}
+
 rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model) {
     return guard([&] {
         require_arg(out_bytes, "out_bytes is NULL");

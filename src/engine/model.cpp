@@ -45,7 +45,9 @@ int visible_cuda_devices() { return at::hasCUDA() ? static_cast<int>(at::getNumG
 Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
     : name_(o.name), seed_(o.seed), layers_(std::move(layers)),
       store_(layers_, o.model_dtype, o.seed, host_memory_for(o)),
-      run_config_(o.run_config), pipeline_(choose_devices(o)) {
+      run_config_(o.run_config), pipeline_(choose_devices(o)),
+      scaler_(o.grad_scale >= 0 ? o.grad_scale : (o.model_dtype == at::kHalf ? 65536.0 : 0.0),
+              o.grad_scale_growth_interval) {
     explicit_plan_ = o.stage_plan;
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;
@@ -156,12 +158,16 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     Microbatches mb = split_microbatches(inputs, labels, cfg);
     for (size_t m = 0; m < mb.inputs.size(); ++m)
         check_shapes(layers_, store_, mb.inputs[m], mb.labels[m], &loss);
+    // fp16: back-propagate a scaled loss so small gradients survive, and unscale on the host.
+    const double scale = scaler_.enabled() ? scaler_.scale() : 1.0;
+    Loss scaled = loss;
+    scaled.scale *= scale;
     CallContext ctx{layers_, stages_, store_, mb};
     ctx.seed = seed_;
     ctx.call_index = training_calls_++;
     ctx.training = true;
     ctx.grain = cfg.grain;
-    ctx.loss = &loss;
+    ctx.loss = &scaled;
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
     pipeline_.run(ctx);
@@ -171,10 +177,10 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     }
     // Only a call that finished commits its gradients: a failed call leaves no trace.
     for (const auto &grads : ctx.job_grads)
-        store_.add_to_grads(grads);
+        store_.add_to_grads(grads, 1.0 / scale);
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)
-        total += l.item<double>();
+        total += l.item<double>() / scale;
     if (outputs)
         *outputs = std::move(ctx.outputs);
     if (merge_output)
@@ -215,7 +221,11 @@ void Model::step(std::function<void()> update, bool async) {
         // the next step; the error (if any) is reported by the next waiting call.
         std::exception_ptr error;
         try {
-            update();
+            if (!scaler_.enabled() || scaler_.step_may_proceed(step_grads()))
+                update();
+            else
+                log(LogLevel::Info, name_ + ": gradients overflowed; step skipped, loss scale now " +
+                                        std::to_string(scaler_.scale()));
         } catch (...) {
             error = std::current_exception();
         }
@@ -228,6 +238,13 @@ void Model::step(std::function<void()> update, bool async) {
         publish_completed_step();
         rethrow_step_error();
     }
+}
+
+std::vector<at::Tensor> Model::step_grads() const {
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < store_.size(); ++i)
+        grads.push_back(store_.at(i).step_grad);
+    return grads;
 }
 
 void Model::step_builtin(const OptimizerSettings &settings, bool async) {

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/grad_scaler.h"
 #include "engine/loss.h"
 #include "engine/param_store.h"
 #include "engine/pipeline.h"
@@ -30,6 +31,10 @@ struct ModelOptions {
     std::vector<int> stage_plan; // empty: automatic
     // GPU memory a model may use per GPU; 0: 80% of the smallest free memory at creation.
     int64_t gpu_memory_cap = 0;
+    // Dynamic loss scaling: initial scale (0: off; negative: the default, 65536 for fp16 models
+    // and off otherwise) and the number of good steps between doublings.
+    double grad_scale = -1.0;
+    int grad_scale_growth_interval = 2000;
 };
 
 int visible_cuda_devices();
@@ -65,6 +70,8 @@ class Model {
     int64_t steps_enqueued() const { return enqueued_; }
     bool on_optimizer_thread() const { return runner_.on_this_thread(); }
     int64_t gpu_memory_cap() const { return gpu_memory_cap_; }
+    double grad_scale() const { return scaler_.enabled() ? scaler_.scale() : 0.0; }
+    int64_t skipped_steps() const { return scaler_.skipped_steps(); }
     // The timing record of the last call as Chrome trace JSON (one process per device, one
     // thread per stream).
     std::string trace_json() const;
@@ -74,6 +81,7 @@ class Model {
     ResolvedRunConfig resolve(const RunConfig &call) const;
     void check_output_device(const at::Device &d) const;
     void publish_completed_step();
+    std::vector<at::Tensor> step_grads() const;
     std::vector<Stage> plan_stages(const std::vector<double> &layer_costs) const;
     void replan_from_trace();
     void rethrow_step_error();
@@ -92,6 +100,7 @@ class Model {
     int64_t enqueued_ = 0;  // steps handed to the optimizer thread
     int64_t published_ = 0; // step whose weights the devices compute with
     std::unique_ptr<BuiltinOptimizer> builtin_;
+    GradScaler scaler_;
     StepRunner runner_; // last member: its thread stops first
 };
 

@@ -92,7 +92,11 @@ LayerContext layer_context(const CallContext &ctx, size_t layer, const Microbatc
     lc.training = ctx.training;
     lc.dropout_seed = dropout_seed(ctx.seed, ctx.call_index, layer, e.microbatch);
     lc.side_inputs = &e.side_inputs;
-    lc.labels = e.labels.defined() ? &e.labels : nullptr;
+    // Labels reach the layers only for the losses a last layer may fuse (the causal-LM head);
+    // with any other loss the model must hand its plain output to that loss.
+    const bool fusable = ctx.loss && (ctx.loss->kind == LossKind::CausalLm ||
+                                      ctx.loss->kind == LossKind::Output);
+    lc.labels = fusable && e.labels.defined() ? &e.labels : nullptr;
     return lc;
 }
 

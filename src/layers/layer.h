@@ -36,7 +36,8 @@ struct LayerContext {
     // compute device; never null during a call (empty when the call has one input).
     const std::vector<at::Tensor> *side_inputs = nullptr;
     // This microbatch's labels on the compute device, given only to the layers of the fused tail
-    // stage of a training call, so a last layer can fuse its loss (undefined elsewhere).
+    // stage of a training call whose loss a last layer may fuse (RP_LOSS_CAUSAL_LM,
+    // RP_LOSS_OUTPUT); null elsewhere.
     const at::Tensor *labels = nullptr;
 };
 

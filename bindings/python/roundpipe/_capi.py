@@ -235,6 +235,8 @@ def _declare(cdll):
        [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode);
     fn("rp_model_options_set_run_config", st,
        [rp_model_options_p, rp_run_config_p])                        # rp_status rp_model_options_set_run_config(rp_model_options *options, const rp_run_config *config);
+    fn("rp_model_options_set_grad_scaler", st,
+       [rp_model_options_p, c_double, c_int32])                      # rp_status rp_model_options_set_grad_scaler(rp_model_options *options, double initial_scale, int32_t growth_interval);
     fn("rp_model_options_set_gpu_memory_cap", st,
        [rp_model_options_p, c_int64])                                # rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
     fn("rp_model_options_set_seed", st,
@@ -252,6 +254,7 @@ def _declare(cdll):
     fn("rp_model_num_stages", st, [P(c_int32), rp_model_p])          # rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
     fn("rp_model_num_devices", st, [P(c_int32), rp_model_p])         # rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
     fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
+    fn("rp_model_grad_scale", st, [P(c_double), P(c_int64), rp_model_p])  # rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
     fn("rp_model_trace_json", st, [P(c_char_p), rp_model_p])         # rp_status rp_model_trace_json(const char **out_json, rp_model *model);
     fn("rp_cuda_memory_stats", st, [P(c_int64), P(c_int64), c_int32])  # rp_status rp_cuda_memory_stats(int64_t *out_allocated_bytes, int64_t *out_peak_bytes, int32_t device);

@@ -1,5 +1,5 @@
 """From what upstream users hand to RoundPipe (an ``nn.Module``, a Hugging Face model) to what
-the engine takes (a JSON layer spec plus weights)."""
+the engine takes (a JSON layer spec plus weights, or a Hugging Face config / directory)."""
 
 import json
 import os
@@ -7,7 +7,9 @@ import os
 import torch
 from torch import nn
 
+from . import hf
 from .errors import RoundPipeUnsupportedError
+from .hf import HF_ARCHITECTURES  # noqa: F401 (re-export)
 
 SUPPORTED_MODULES = (
     "nn.Linear, nn.Embedding (no padding_idx/max_norm/sparse), nn.LayerNorm (1-d, affine with "
@@ -15,17 +17,9 @@ SUPPORTED_MODULES = (
     "nn.Flatten (end_dim=-1), nn.Identity (dropped), and nested nn.Sequential of these")
 
 SUPPORTED_INPUTS = (
-    "a JSON layer spec (dict, list of layer dicts, JSON text, or path of a .json file), or an "
-    "nn.Sequential (or single module) built from: " + SUPPORTED_MODULES)
-
-HF_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
-
-
-def _unsupported_hf(what):
-    return RoundPipeUnsupportedError(
-        "%s: Hugging Face models (%s) are not supported by this libroundpipe yet: its C API has "
-        "no transformer decoder layer and no Hugging Face loader (roundpipe.h ABI %d). "
-        "Supported now: %s." % (what, ", ".join(HF_ARCHITECTURES), 1, SUPPORTED_INPUTS))
+    "a JSON layer spec (dict, list of layer dicts, JSON text, or path of a .json file); an "
+    "nn.Sequential (or single module) built from: " + SUPPORTED_MODULES + "; or " +
+    hf.SUPPORTED_HF)
 
 
 class ConvertedModule:
@@ -52,7 +46,9 @@ def _layer_spec(name, m):
     where = "module %r (%s)" % (name or "<root>", type(m).__name__)
 
     def refuse(why):
-        raise RoundPipeUnsupportedError("%s: %s. Supported: %s." % (where, why, SUPPORTED_MODULES))
+        raise RoundPipeUnsupportedError("%s: %s. Supported: %s; as the whole model: Hugging Face %s."
+                                        % (where, why, SUPPORTED_MODULES,
+                                           " / ".join(HF_ARCHITECTURES)))
 
     if isinstance(m, nn.Linear):
         spec = {"type": "linear", "in": m.in_features, "out": m.out_features,
@@ -96,8 +92,9 @@ def _layer_spec(name, m):
         return {"type": "flatten", "start_dim": m.start_dim}, []
     if type(m) is nn.Identity:
         return None, []
-    if type(m).__name__ in HF_ARCHITECTURES:
-        raise _unsupported_hf(where)
+    if hf.hf_architecture(m) is not None:
+        refuse("a Hugging Face model can only be the whole model (RoundPipe(model) or "
+               "wrap_model_to_roundpipe(model)), not one layer of an nn.Sequential")
     refuse("this module type has no engine layer")
 
 
@@ -105,8 +102,6 @@ def convert_module(module):
     """Convert an nn.Sequential (or one supported module) to a spec and its weights."""
     if not isinstance(module, nn.Module):
         raise TypeError("expected an nn.Module, got %r" % type(module).__name__)
-    if type(module).__name__ in HF_ARCHITECTURES:
-        raise _unsupported_hf(type(module).__name__)
     layers, params = [], []
     dtypes = set()
     for qual, leaf in _flatten(module, ""):
@@ -130,27 +125,98 @@ def convert_module(module):
     return ConvertedModule({"layers": layers}, params, dtype)
 
 
+class ModelSource:
+    """What RoundPipe(model) builds from. `kind`:
+    - "spec": `text` is a JSON layer spec (rp_model_create);
+    - "module": `text` is the spec of `converted` (an nn.Module), whose weights are copied in;
+    - "hf_config": `text` is a Hugging Face config.json text (rp_model_create_from_hf_config,
+      random weights), and `module` the transformers model whose weights are copied in, if any;
+    - "hf_dir": `path` is a Hugging Face directory with weights (rp_model_create_from_hf).
+    `dtype` is the model dtype the source suggests (None: the engine's default, float32)."""
+
+    def __init__(self, kind, text=None, converted=None, module=None, path=None, dtype=None,
+                 config=None):
+        self.kind = kind
+        self.text = text
+        self.converted = converted
+        self.module = module
+        self.path = path
+        self.dtype = dtype
+        self.config = config  # the Hugging Face config dict (hf_* kinds)
+
+    @property
+    def is_hf(self):
+        return self.kind in ("hf_config", "hf_dir")
+
+
+def _module_dtype(module):
+    dtypes = {p.dtype for p in module.parameters()}
+    if len(dtypes) > 1:
+        raise RoundPipeUnsupportedError("the module mixes parameter dtypes (%s); convert it to "
+                                        "one dtype first" % ", ".join(sorted(map(str, dtypes))))
+    return dtypes.pop() if dtypes else None
+
+
+def _hf_module_source(module, arch):
+    config = getattr(module, "config", None)
+    if config is None or not hf.is_hf_config_object(config):
+        raise RoundPipeUnsupportedError("%s has no transformers config (.config); Supported: %s."
+                                        % (type(module).__name__, hf.SUPPORTED_HF))
+    config = hf.config_dict(config, arch)
+    return ModelSource("hf_config", text=json.dumps(config), module=module,
+                       dtype=_module_dtype(module), config=config)
+
+
+def _hf_config_source(config):
+    config = hf.config_dict(config)
+    return ModelSource("hf_config", text=json.dumps(config), dtype=hf.config_dtype(config),
+                       config=config)
+
+
 def resolve_model(model):
-    """(spec JSON text, ConvertedModule or None) for what RoundPipe() was given."""
+    """The ModelSource of what RoundPipe() was given."""
     if isinstance(model, nn.Module):
+        arch = hf.hf_architecture(model)
+        if arch is not None:
+            return _hf_module_source(model, arch)
         converted = convert_module(model)
-        return json.dumps(converted.spec), converted
+        return ModelSource("module", text=json.dumps(converted.spec), converted=converted,
+                           dtype=converted.dtype)
+    if hf.is_hf_config_dict(model) or hf.is_hf_config_object(model):
+        return _hf_config_source(model)
     if isinstance(model, dict):
-        return json.dumps(model), None
+        return ModelSource("spec", text=json.dumps(model))
     if isinstance(model, (list, tuple)):
-        return json.dumps({"layers": list(model)}), None
+        return ModelSource("spec", text=json.dumps({"layers": list(model)}))
     if isinstance(model, (str, bytes, os.PathLike)):
         text = os.fsdecode(model) if not isinstance(model, str) else model
         if text.lstrip().startswith("{"):
-            return text, None
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = None  # the engine reports the JSON error
+            if hf.is_hf_config_dict(parsed):
+                return _hf_config_source(parsed)
+            return ModelSource("spec", text=text)
         if os.path.isdir(text):
             if os.path.exists(os.path.join(text, "config.json")):
-                raise _unsupported_hf("model directory %r" % text)
+                config, has_weights = hf.hf_directory(text)
+                if has_weights:
+                    return ModelSource("hf_dir", path=text, dtype=hf.config_dtype(config),
+                                       config=config)
+                return _hf_config_source(config)
             raise RoundPipeUnsupportedError("%r is a directory without config.json. Supported: %s."
                                             % (text, SUPPORTED_INPUTS))
         if os.path.isfile(text):
             with open(text, "r", encoding="utf-8") as f:
-                return f.read(), None
+                content = f.read()
+            try:
+                parsed = json.loads(content)
+            except ValueError:
+                parsed = None
+            if hf.is_hf_config_dict(parsed):
+                return _hf_config_source(parsed)
+            return ModelSource("spec", text=content)
         raise RoundPipeUnsupportedError("%r is neither JSON text nor an existing file or "
                                         "directory. Supported: %s." % (text, SUPPORTED_INPUTS))
     raise RoundPipeUnsupportedError("cannot build a RoundPipe model from %s. Supported: %s."

@@ -21,7 +21,8 @@ from ._dlpack import BorrowedInputs, from_owned
 from .config import (RoundPipeRunConfig, _is_chunk_spec, _is_reducer, _is_replicate,
                      leaf_split_dim)
 from .convert import resolve_model
-from .errors import RoundPipeError, Status
+from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
+from .hf import hf_inputs, hf_name, module_weights
 from .optim import BuiltinOptimizer
 
 _DTYPES = {
@@ -178,16 +179,21 @@ class RoundPipe:
 
     Args:
         model: what to run: a JSON layer spec (dict, list of layer dicts, JSON text or path of a
-            .json file; see docs/semantics.md), or an ``nn.Sequential`` of supported modules
-            (its weights are copied). Hugging Face model directories are recognised and refused
-            with a RoundPipeUnsupportedError until the engine has transformer layers.
+            .json file; see docs/semantics.md); an ``nn.Sequential`` of supported modules (its
+            weights are copied); a transformers ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``
+            (built from its config, weights copied); a Hugging Face model directory
+            (config.json and safetensors weights; config.json alone gives random weights); or a
+            Hugging Face config (dict or JSON text with "architectures", or a transformers
+            config object; random weights). Causal LMs take input_ids, attention_mask and
+            position_ids, return logits and train with ``loss_fn="causal_lm"``.
         optim_dtype: dtype of master weights and optimizer state (torch.float32 (default),
             torch.bfloat16 or torch.float16).
         name: shown in logs; default "file.py:line" of the caller.
         model_run_config: model-level RoundPipeRunConfig.
         pin_model: "alloc" (default), "register" or "off": how host weights are pinned.
-        model_dtype: dtype the devices compute with (default: the module's parameter dtype,
-            or float32 for a spec).
+        model_dtype: dtype the devices compute with (default: the module's parameter dtype;
+            for a Hugging Face directory or config its "dtype" entry, as transformers'
+            from_pretrained reads it; else float32).
         devices: which workers run the stages: "auto" (default: every GPU, else one CPU
             worker), "cpu", "cuda", an int count, or (kind, count) such as ("cpu", 2) for two
             CPU worker devices.
@@ -209,9 +215,9 @@ class RoundPipe:
         if pin_model not in _PIN_MODES:
             raise RoundPipeError(Status.INVALID_ARGUMENT, 'pin_model must be "alloc", '
                                  '"register" or "off", got %r' % (pin_model,))
-        spec_json, converted = resolve_model(model)
-        if model_dtype is None and converted is not None:
-            model_dtype = converted.dtype
+        source = resolve_model(model)
+        if model_dtype is None:
+            model_dtype = source.dtype
         for what, dt in (("model_dtype", model_dtype), ("optim_dtype", optim_dtype)):
             if dt is not None and dt not in _DTYPES:
                 raise RoundPipeError(Status.INVALID_ARGUMENT, "%s must be torch.float32, "
@@ -245,7 +251,12 @@ class RoundPipe:
                 output_device=model_run_config.output_device).build_c()
             L.rp_model_options_set_run_config(options, c_config)
             handle = _capi.rp_model_p()
-            L.rp_model_create(byref(handle), spec_json.encode(), options)
+            if source.kind == "hf_dir":
+                L.rp_model_create_from_hf(byref(handle), os.fsencode(source.path), options)
+            elif source.kind == "hf_config":
+                L.rp_model_create_from_hf_config(byref(handle), source.text.encode(), options)
+            else:
+                L.rp_model_create(byref(handle), source.text.encode(), options)
         finally:
             if c_config is not None:
                 L.rp_run_config_destroy(c_config)
@@ -260,13 +271,23 @@ class RoundPipe:
         self.training = True
         self.model = model if isinstance(model, nn.Module) else None
         self._original_model = self.model
+        self._hf_config = source.config if source.is_hf else None
+        self._module_names = None
         _live_models.add(self)
-        if converted is not None:
-            self._copy_in([(engine_name, p) for engine_name, p, _ in converted.params])
-            self._module_names = {engine_name: mod_name
-                                  for engine_name, _, mod_name in converted.params}
-        else:
-            self._module_names = None
+        weights = None
+        if source.converted is not None:
+            weights = source.converted.params
+        elif source.module is not None:
+            weights = module_weights(source.module, self._param_shapes(),
+                                     self._num_hidden_layers,
+                                     bool(self._hf_config.get("tie_word_embeddings")))
+        if weights is not None:
+            try:
+                self._copy_in([(engine_name, p) for engine_name, p, _ in weights])
+            except BaseException:
+                self.close()
+                raise
+            self._module_names = {engine_name: mod_name for engine_name, _, mod_name in weights}
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -322,8 +343,29 @@ class RoundPipe:
             raise AttributeError("'RoundPipe' object has no attribute %r" % name)
         return getattr(target, name)
 
+    def _forwards(self, name):
+        """Whether setting / deleting attribute `name` goes to the original model: names that
+        RoundPipe itself has (its own attributes, methods, properties, private names) stay."""
+        return (not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name)
+                and self.__dict__.get("_original_model") is not None)
+
+    def __setattr__(self, name, value):
+        if self._forwards(name):
+            setattr(self.__dict__["_original_model"], name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if self._forwards(name):
+            delattr(self.__dict__["_original_model"], name)
+        else:
+            object.__delattr__(self, name)
+
     def set_original_model(self, original_model):
-        """Attributes RoundPipe does not have are looked up on `original_model`."""
+        """Attributes RoundPipe does not have are read from, written to and deleted on
+        `original_model` (wrap_model_to_roundpipe sets it, so that e.g. ``model.config`` of a
+        wrapped transformers model works)."""
         self._original_model = original_model
 
     # -- facts --------------------------------------------------------------------------------
@@ -358,6 +400,14 @@ class RoundPipe:
     def model_run_config(self):
         return self._run_config
 
+    @property
+    def _num_hidden_layers(self):
+        # A causal LM is token_embedding, the decoder layers, rms_norm, lm_head.
+        return self.num_layers - 3
+
+    def _param_shapes(self):
+        return [(name, tuple(p.shape)) for name, p in self._params.build()]
+
     def train(self, mode=True):
         """For upstream compatibility: forward() always runs in evaluation mode (dropout off),
         forward_backward() in training mode."""
@@ -371,6 +421,8 @@ class RoundPipe:
 
     def _inputs(self, args, kwargs, cfg):
         """(tensors, per-input split dims, SplitCall or None) for one call."""
+        if self._hf_config is not None:  # input_ids, attention_mask, position_ids, in order
+            args, kwargs = hf_inputs(args, kwargs)
         args = tuple(args)
         kwargs = dict(kwargs or {})
         keys = list(kwargs)
@@ -529,9 +581,14 @@ class RoundPipe:
         Args:
             input_args: positional inputs (a tuple; a single tensor is accepted too).
             input_kwargs: keyword inputs (travel with the first input; the engine's layers
-                consume input 0).
-            label: labels, split like the inputs (see RoundPipeRunConfig.split_label).
-            loss_fn: None or "output" (the output is the loss), "mse", "cross_entropy", a
+                consume input 0). A causal LM takes ``input_ids``, ``attention_mask`` and
+                ``position_ids``, positionally or by keyword.
+            label: labels, split like the inputs (see RoundPipeRunConfig.split_label); for a
+                causal LM, token ids [batch, seq] shaped like input_ids, -100 for no target
+                (token t is scored against label t + 1, as transformers' ``labels=``).
+            loss_fn: None or "output" (the output is the loss; for a causal LM given a label,
+                None means "causal_lm"), "mse", "cross_entropy", "causal_lm" (the mean token
+                cross entropy over the batch's targets, fused into the LM head), a
                 BuiltinLoss, or a Python callable ``loss_fn(outputs, labels) -> loss tensor``
                 (or a sequence of loss tensors) called once per microbatch with that
                 microbatch's outputs (a fresh fp32 CPU tensor) and labels; the binding
@@ -549,6 +606,8 @@ class RoundPipe:
         cfg = self._run_config.overridden_by(run_config)
         tensors, dims, split_call = self._inputs(input_args, input_kwargs, cfg)
         L = lib()
+        if loss_fn is None and label is not None and self._hf_config is not None:
+            loss_fn = "causal_lm"
 
         loss_call = None
         label_tensor = None
@@ -744,17 +803,62 @@ class RoundPipe:
 
     def copy_to_module(self, module=None):
         """Copy the latest weights into the nn.Module this model was built from (or `module`,
-        which must have the same structure). Returns the module."""
+        which must have the same structure; for a causal LM, a transformers model of the same
+        architecture and sizes). Returns the module."""
         module = module if module is not None else self.model
-        if module is None or self._module_names is None:
+        names = self._module_names
+        if names is None and self._hf_config is not None and module is not None:
+            names = {name: hf_name(name, self._num_hidden_layers)
+                     for name, _ in self._param_shapes()}
+        if module is None or names is None:
             raise RoundPipeError(Status.STATE, "copy_to_module needs a model built from an "
-                                 "nn.Module")
+                                 "nn.Module, or a module to copy into")
         targets = dict(module.named_parameters())
+        missing = [names[k] for k in names if names[k] not in targets]
+        if missing:
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "copy_to_module: the module has no "
+                                 "parameter %s" % ", ".join(missing))
         with torch.no_grad():
             for name, value in self.state_dict().items():
-                target = targets[self._module_names[name]]
+                target = targets[names[name]]
                 target.copy_(value.to(target.dtype))
         return module
+
+    def save_pretrained(self, save_directory, safe_serialization=True):
+        """Save a causal LM as a Hugging Face directory that transformers' from_pretrained
+        loads: config.json (its "dtype" set to the model dtype) and the latest weights
+        (synchronizes first) in the model dtype under Hugging Face names, in the file layout of
+        the checkpoint it was loaded from (one model.safetensors, or the same shards and index).
+        The directory is created if missing (its parent must exist); tokenizer files are not
+        written. Only for models built from a Hugging Face model, directory or config."""
+        if not safe_serialization:
+            raise RoundPipeUnsupportedError("save_pretrained writes safetensors only "
+                                            "(safe_serialization=True)")
+        if self._hf_config is None:
+            raise RoundPipeError(Status.STATE, "save_pretrained needs a model built from a "
+                                 "Hugging Face model, directory or config; use save(path)")
+        lib().rp_model_save_hf(self.handle, os.fsencode(os.fspath(save_directory)))
+
+    def load_pretrained(self, directory):
+        """Load the weights of a Hugging Face directory (model.safetensors or sharded, with
+        this model's architecture and sizes; its config.json is not read) into a causal LM.
+        Every tensor is checked before any weight changes. Synchronizes first; optimizer state
+        is kept, accumulated gradients are dropped; later save_pretrained calls use the file
+        layout of `directory`."""
+        if self._hf_config is None:
+            raise RoundPipeError(Status.STATE, "load_pretrained needs a model built from a "
+                                 "Hugging Face model, directory or config; use load(path)")
+        handle = self.handle
+        lib().rp_model_load_hf(handle, os.fsencode(os.fspath(directory)))
+        if self._params.sync_grads and self._params.items is not None:
+            self._params.attach_grads(handle.value)
+
+    def hf_parameter_name(self, name):
+        """The Hugging Face tensor name of engine parameter `name` of a causal LM
+        ("1.self_attn.q_proj.weight" -> "model.layers.0.self_attn.q_proj.weight")."""
+        if self._hf_config is None:
+            raise RoundPipeError(Status.STATE, "not a model built from a Hugging Face config")
+        return hf_name(name, self._num_hidden_layers)
 
     def save(self, path):
         """Save the latest weights (model dtype, engine names) as safetensors."""
@@ -774,6 +878,10 @@ def _bad_label_spec(spec):
 
 
 def spec_json(model):
-    """The JSON layer spec RoundPipe(model) would build (for inspection)."""
-    text, _ = resolve_model(model)
-    return json.loads(text)
+    """The JSON layer spec RoundPipe(model) would build (for inspection). Hugging Face models
+    are built by the engine from their config (docs/semantics.md has the layer list)."""
+    source = resolve_model(model)
+    if source.is_hf:
+        raise RoundPipeUnsupportedError("a Hugging Face model is built by the engine from its "
+                                        "config.json; it has no JSON layer spec here")
+    return json.loads(source.text)

@@ -327,6 +327,12 @@ rp_model_options_set_run_config(options, config) =
           (Ptr{rp_model_options}, Ptr{rp_run_config}),
           options, config)
 
+# rp_status rp_model_options_set_grad_scaler(rp_model_options *options, double initial_scale, int32_t growth_interval);
+rp_model_options_set_grad_scaler(options, initial_scale, growth_interval) =
+    ccall((:rp_model_options_set_grad_scaler, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Cdouble, Int32),
+          options, initial_scale, growth_interval)
+
 # rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
 rp_model_options_set_gpu_memory_cap(options, bytes) =
     ccall((:rp_model_options_set_gpu_memory_cap, libroundpipe()), rp_status,
@@ -389,6 +395,12 @@ rp_model_step_count(out_count, model) =
     ccall((:rp_model_step_count, libroundpipe()), rp_status,
           (Ptr{Int64}, Ptr{rp_model}),
           out_count, model)
+
+# rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
+rp_model_grad_scale(out_scale, out_skipped_steps, model) =
+    ccall((:rp_model_grad_scale, libroundpipe()), rp_status,
+          (Ptr{Cdouble}, Ptr{Int64}, Ptr{rp_model}),
+          out_scale, out_skipped_steps, model)
 
 # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
 rp_model_gpu_memory_cap(out_bytes, model) =

@@ -280,6 +280,11 @@ extern "C" {
         options: *mut rp_model_options,
         config: *const rp_run_config,
     ) -> rp_status;
+    pub fn rp_model_options_set_grad_scaler(
+        options: *mut rp_model_options,
+        initial_scale: c_double,
+        growth_interval: i32,
+    ) -> rp_status;
     pub fn rp_model_options_set_gpu_memory_cap(
         options: *mut rp_model_options,
         bytes: i64,
@@ -309,6 +314,11 @@ extern "C" {
     pub fn rp_model_num_stages(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_num_devices(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_step_count(out_count: *mut i64, model: *const rp_model) -> rp_status;
+    pub fn rp_model_grad_scale(
+        out_scale: *mut c_double,
+        out_skipped_steps: *mut i64,
+        model: *const rp_model,
+    ) -> rp_status;
     pub fn rp_model_gpu_memory_cap(out_bytes: *mut i64, model: *const rp_model) -> rp_status;
     pub fn rp_model_trace_json(out_json: *mut *const c_char, model: *mut rp_model) -> rp_status;
     pub fn rp_cuda_memory_stats(

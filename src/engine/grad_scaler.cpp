@@ -1,0 +1,36 @@
+#include "engine/grad_scaler.h"
+
+namespace rp {
+
+double GradScaler::scale() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return scale_;
+}
+
+int64_t GradScaler::skipped_steps() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return skipped_;
+}
+
+bool GradScaler::step_may_proceed(const std::vector<at::Tensor> &grads) {
+    bool finite = true;
+    for (const at::Tensor &g : grads)
+        if (!at::isfinite(g).all().item<bool>()) {
+            finite = false;
+            break;
+        }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!finite) {
+        scale_ *= 0.5;
+        good_steps_ = 0;
+        ++skipped_;
+        return false;
+    }
+    if (++good_steps_ >= growth_interval_) {
+        scale_ *= 2.0;
+        good_steps_ = 0;
+    }
+    return true;
+}
+
+} // namespace rp
