@@ -27,6 +27,8 @@ class CpuLane final : public DeviceLane {
     void use(const Transfer &) override {}
     Transfer download(const std::vector<at::Tensor> &t, size_t) override { return {t, nullptr}; }
 
+    void wait(const Transfer &) override {}
+
     void compute_begin(size_t) override { compute_start_ = now_ms(); }
     void compute_end(size_t job) override {
         double end = now_ms();

@@ -119,6 +119,11 @@ class CudaLane final : public DeviceLane {
         return t;
     }
 
+    void wait(const Transfer &transfer) override {
+        if (transfer.ready)
+            std::static_pointer_cast<Event>(transfer.ready)->synchronize();
+    }
+
     void compute_begin(size_t) override { compute_start_ = record(compute_); }
     void compute_end(size_t job) override { mark("compute", job, compute_start_, record(compute_)); }
 

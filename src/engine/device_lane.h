@@ -44,6 +44,8 @@ class DeviceLane {
     virtual void use(const Transfer &transfer) = 0;
     // Device tensors -> pinned host memory after the compute so far, on the download stream.
     virtual Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job) = 0;
+    // Any thread: blocks until a transfer has landed (for host code that reads its tensors).
+    virtual void wait(const Transfer &transfer) = 0;
     // Brackets compute for the timing record.
     virtual void compute_begin(size_t job) = 0;
     virtual void compute_end(size_t job) = 0;

@@ -170,14 +170,20 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.loss = &scaled;
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
-    pipeline_.run(ctx);
+    ctx.gradients = &gradients_;
+    gradients_.begin_call(grads_zero_, 1.0 / scale);
+    try {
+        pipeline_.run(ctx);
+    } catch (...) {
+        gradients_.end_call(false); // a failed call leaves no trace in the gradients
+        throw;
+    }
+    gradients_.end_call(true);
+    grads_zero_ = false;
     if (!replanned_ && has_cuda_devices() && explicit_plan_.empty()) {
         replanned_ = true;
         replan_from_trace();
     }
-    // Only a call that finished commits its gradients: a failed call leaves no trace.
-    for (const auto &grads : ctx.job_grads)
-        store_.add_to_grads(grads, 1.0 / scale);
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)
         total += l.item<double>() / scale;
@@ -215,6 +221,7 @@ void Model::step(std::function<void()> update, bool async) {
     publish_completed_step();
     rethrow_step_error();
     store_.swap_grads();
+    grads_zero_ = true; // the buffer coming back from the optimizer was zeroed by it
     ++enqueued_;
     runner_.submit([this, update = std::move(update)] {
         // Whatever the update does, the staged copy and the gradient buffer are left ready for
@@ -275,14 +282,17 @@ void Model::synchronize() {
     rethrow_step_error();
 }
 
-void Model::zero_grad() { store_.zero_grads(); }
+void Model::zero_grad() {
+    store_.zero_grads();
+    grads_zero_ = true;
+}
 
 void Model::load_master(const std::vector<at::Tensor> &values) {
     synchronize();
     for (size_t i = 0; i < store_.size(); ++i)
         store_.at(i).master.copy_(values[i]);
     store_.refresh_live_from_master();
-    store_.zero_grads();
+    zero_grad();
 }
 
 } // namespace rp

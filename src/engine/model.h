@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/grad_accumulator.h"
 #include "engine/grad_scaler.h"
 #include "engine/loss.h"
 #include "engine/param_store.h"
@@ -99,6 +100,8 @@ class Model {
     uint64_t training_calls_ = 0;
     int64_t enqueued_ = 0;  // steps handed to the optimizer thread
     int64_t published_ = 0; // step whose weights the devices compute with
+    bool grads_zero_ = true; // every accumulated-gradient buffer holds zeros
+    GradAccumulator gradients_{store_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     GradScaler scaler_;
     StepRunner runner_; // last member: its thread stops first

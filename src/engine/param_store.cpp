@@ -85,12 +85,6 @@ int64_t ParamStore::find(const std::string &name) const {
     return -1;
 }
 
-void ParamStore::add_to_grads(const std::vector<std::pair<size_t, at::Tensor>> &grads,
-                              double factor) {
-    for (const auto &g : grads)
-        params_[g.first].grad.add_(g.second.to(at::kCPU, at::kFloat), factor);
-}
-
 void ParamStore::zero_grads() {
     for (Param &p : params_)
         p.grad.zero_();

@@ -45,8 +45,6 @@ class ParamStore {
     at::ScalarType model_dtype() const { return model_dtype_; }
     int64_t find(const std::string &name) const; // -1 when absent
 
-    // grad += g * factor for each (param, g); factor undoes a loss scale.
-    void add_to_grads(const std::vector<std::pair<size_t, at::Tensor>> &grads, double factor);
     void zero_grads();
     void swap_grads();            // grad <-> step_grad; step_grad must be zero
     void zero_step_grads();

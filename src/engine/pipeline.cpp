@@ -20,7 +20,6 @@ void Pipeline::run(CallContext &ctx) {
     ctx.stage_inputs.assign(S, std::vector<Transfer>(M));
     ctx.outputs.assign(M, at::Tensor());
     ctx.losses.assign(M, at::Tensor());
-    ctx.job_grads.assign(num_jobs, {});
 
     const size_t G = workers_.size();
     for (auto &w : workers_)
@@ -87,7 +86,6 @@ void Pipeline::run(CallContext &ctx) {
         // out-of-memory call leaves the devices as empty as they were.
         ctx.stage_inputs.clear();
         ctx.outputs.clear();
-        ctx.job_grads.clear();
         if (!device(0).is_cpu())
             release_cached_gpu_memory();
         std::rethrow_exception(error);

@@ -32,21 +32,21 @@ StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Trans
     return w;
 }
 
-// Gradients leave the device once per stage and call; the host widens them to fp32.
-std::vector<std::pair<size_t, at::Tensor>> download_grads(const StageWeights &w, DeviceLane &lane,
-                                                          size_t job) {
+// Gradients leave the device once per stage and call, in the model dtype (half the bytes for
+// bf16); the accumulator widens them to fp32 on the host as they land.
+void download_grads(CallContext &ctx, const StageWeights &w, DeviceLane &lane, size_t job) {
     std::vector<size_t> index;
     std::vector<at::Tensor> grads;
     for (const auto &leaf : w.leaves)
         if (leaf.second.grad().defined()) {
             index.push_back(leaf.first);
-            grads.push_back(leaf.second.grad()); // model dtype: half the bytes for bf16
+            grads.push_back(leaf.second.grad());
         }
     Transfer host = lane.download(grads, job);
     std::vector<std::pair<size_t, at::Tensor>> out;
     for (size_t i = 0; i < index.size(); ++i)
         out.emplace_back(index[i], host.tensors[i]);
-    return out;
+    ctx.gradients->add(std::move(out), std::move(host), lane);
 }
 
 // A host tensor (ready after `ready`) on the device, in the compute dtype, as a fresh leaf.
@@ -242,7 +242,7 @@ void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceL
         run_backward(ctx, job, s, lane, w);
         break;
     }
-    ctx.job_grads[job] = download_grads(w, lane, job);
+    download_grads(ctx, w, lane, job);
 }
 
 void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const ParamStore &store,

@@ -8,6 +8,7 @@
 
 #include "engine/call_state.h"
 #include "engine/device_lane.h"
+#include "engine/grad_accumulator.h"
 #include "engine/loss.h"
 #include "engine/microbatch.h"
 #include "engine/param_store.h"
@@ -42,7 +43,7 @@ struct CallContext {
     std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
     std::vector<at::Tensor> outputs;                 // [mb], on the output device
     std::vector<at::Tensor> losses;                  // [mb], 0-d
-    std::vector<std::vector<std::pair<size_t, at::Tensor>>> job_grads; // [job]: (param, host)
+    GradAccumulator *gradients = nullptr; // receives each training job's downloaded gradients
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };

@@ -1,0 +1,63 @@
+// Adds the gradients a call downloads into the model's fp32 gradient buffers on a thread of its
+// own, as each stage's download completes, so the host work overlaps the GPU's later stages
+// instead of following the call.
+//
+// A failed call must leave no trace. When the buffers were zero at the call's start (the usual
+// one call per step), the first contribution to a parameter is copied in and a failure zeroes
+// what was touched: exact. When the call adds to earlier gradients, its contributions are held
+// back and applied only once the call has succeeded.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/device_lane.h"
+#include "engine/param_store.h"
+
+namespace rp {
+
+class GradAccumulator {
+  public:
+    explicit GradAccumulator(ParamStore &store);
+    ~GradAccumulator(); // drains, then joins
+
+    // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
+    // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
+    void begin_call(bool buffers_zero, double factor);
+    // Worker threads: the (param, host tensor) pairs of one stage, ready after `ready` on `lane`.
+    void add(std::vector<std::pair<size_t, at::Tensor>> grads, Transfer ready, DeviceLane &lane);
+    // Caller thread, after every job of the call has finished: waits for the additions, applies
+    // or drops the call. Rethrows a failure of the additions themselves (the call then leaves
+    // no trace when the buffers were zero).
+    void end_call(bool succeeded);
+
+  private:
+    struct Item {
+        std::vector<std::pair<size_t, at::Tensor>> grads;
+        Transfer ready;
+        DeviceLane *lane;
+    };
+    void loop();
+    void apply(const Item &item);
+
+    ParamStore &store_;
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    std::deque<Item> queue_;
+    std::vector<Item> held_; // contributions applied only on success (buffers not zero)
+    size_t in_flight_ = 0;
+    bool buffers_zero_ = true;
+    double factor_ = 1.0;
+    std::unordered_set<size_t> touched_; // parameters written during this call
+    std::exception_ptr error_;
+    bool stopping_ = false;
+    std::thread thread_;
+};
+
+} // namespace rp
