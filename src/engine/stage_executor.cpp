@@ -290,6 +290,15 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
                 "labels have " + std::to_string(labels.size(0)) + " rows in this microbatch but "
                 "input 0 has " + std::to_string(in.size(0)) +
                     "; the label batch must match the input batch");
+    if (loss->kind == LossKind::Mse && labels.defined() && in.dim() > 0 && x.dim() > 0) {
+        // Say the shapes with the real batch size, not the emptied one.
+        std::vector<int64_t> out_shape = x.sizes().vec();
+        out_shape[0] = in.size(0);
+        require(labels.sizes() == at::IntArrayRef(out_shape),
+                "labels of shape " + c10::str(labels.sizes()) +
+                    " do not match the model output of shape " + c10::str(out_shape) +
+                    " (per microbatch)");
+    }
     check_loss_inputs(*loss, x, labels.defined() ? empty_batch(labels) : labels);
 }
 

@@ -1,8 +1,6 @@
 """Errors surface as RoundPipeError with the engine's message (or as the user's own exception
 when a user callback failed), and the model stays usable afterwards."""
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -242,24 +240,12 @@ def test_unsupported_modules_list_what_is_supported():
         roundpipe.RoundPipe(12345)
 
 
-def test_hugging_face_inputs_are_refused_with_the_supported_list(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
-    with pytest.raises(RoundPipeUnsupportedError) as info:
-        roundpipe.RoundPipe(str(tmp_path))
-    assert "Qwen3ForCausalLM" in info.value.message and "nn.Linear" in info.value.message
-
-    class Qwen3ForCausalLM(torch.nn.Module):  # stands in for the transformers class
-        pass
-
-    class LlamaForCausalLM(torch.nn.Module):
-        pass
-
-    for cls in (Qwen3ForCausalLM, LlamaForCausalLM):
-        with pytest.raises(RoundPipeUnsupportedError) as info:
-            roundpipe.wrap_model_to_roundpipe(cls())
-        assert "not supported" in info.value.message and "JSON layer spec" in info.value.message
-    with pytest.raises(RoundPipeUnsupportedError):
-        roundpipe.wrap_model_to_roundpipe(torch.nn.Linear(2, 2), skip_modules=[object()])
+def test_wrap_options_that_need_recursive_wrapping_are_refused():
+    # Hugging Face models and their errors: test_hf.py.
+    for kwargs in ({"skip_modules": [object()]}, {"override_config": {object(): None}},
+                   {"use_sequential_preset": True}):
+        with pytest.raises(RoundPipeUnsupportedError):
+            roundpipe.wrap_model_to_roundpipe(torch.nn.Linear(2, 2), **kwargs)
 
 
 def test_log_callback_receives_messages():

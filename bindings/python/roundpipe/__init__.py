@@ -18,6 +18,10 @@ without copies.
         model.step(step_fn)
     model.synchronize()
 
+Hugging Face Qwen3 / Llama causal LMs come in through wrap_model_to_roundpipe(transformers_model),
+RoundPipe("path/to/hf_dir") or RoundPipe(config_dict), train with loss_fn="causal_lm" and save
+with save_pretrained(dir) (see the README).
+
 The library is found through ROUNDPIPE_LIBRARY, next to the package, then the build tree of
 a source checkout (see roundpipe._capi).
 """

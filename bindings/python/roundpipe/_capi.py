@@ -156,7 +156,9 @@ def candidate_paths():
     paths = []
     env = os.environ.get("ROUNDPIPE_LIBRARY")
     if env:
-        paths.append(("ROUNDPIPE_LIBRARY", env))
+        # A relative path is taken from the current directory now, so that library_path()
+        # names the same file for child processes started elsewhere.
+        paths.append(("ROUNDPIPE_LIBRARY", os.path.abspath(env) if os.sep in env else env))
     for name in _LIB_NAMES:
         paths.append(("next to the package", os.path.join(_PACKAGE_DIR, name)))
     # bindings/python/roundpipe -> repository root, when the package sits in a source checkout

@@ -46,9 +46,9 @@ def _layer_spec(name, m):
     where = "module %r (%s)" % (name or "<root>", type(m).__name__)
 
     def refuse(why):
-        raise RoundPipeUnsupportedError("%s: %s. Supported: %s; as the whole model: Hugging Face %s."
-                                        % (where, why, SUPPORTED_MODULES,
-                                           " / ".join(HF_ARCHITECTURES)))
+        raise RoundPipeUnsupportedError(
+            "%s: %s. Supported: %s; as the whole model: Hugging Face %s."
+            % (where, why, SUPPORTED_MODULES, " / ".join(HF_ARCHITECTURES)))
 
     if isinstance(m, nn.Linear):
         spec = {"type": "linear", "in": m.in_features, "out": m.out_features,

@@ -174,8 +174,9 @@ def module_weights(module, engine_params, num_hidden_layers, tied):
 def hf_inputs(args, kwargs):
     """The inputs of a call on a causal LM in the engine's order (input_ids, attention_mask,
     position_ids), keeping the caller's positional / keyword structure: positional arguments
-    fill those names in order, keywords follow in that order. None entries are dropped; position
-    ids without a mask get an all-ones mask (input 1 must exist for input 2 to be seen)."""
+    fill those names in order, keywords follow in that order. None entries are dropped; a bool
+    mask becomes int64; position ids without a mask get an all-ones mask (input 1 must exist for
+    input 2 to be seen)."""
     args = tuple(args)
     kwargs = dict(kwargs or {})
     if len(args) > len(HF_INPUT_NAMES):
@@ -195,6 +196,9 @@ def hf_inputs(args, kwargs):
     values = {k: v for k, v in values.items() if v is not None}
     if "input_ids" not in values:
         raise TypeError("a causal LM needs input_ids (token ids [batch, seq])")
+    mask = values.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        values["attention_mask"] = mask.to(torch.int64)  # the engine takes integer masks
     if "position_ids" in values and "attention_mask" not in values:
         ids = values["input_ids"]
         values["attention_mask"] = torch.ones(ids.shape, dtype=torch.int64, device=ids.device)

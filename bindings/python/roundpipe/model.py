@@ -274,19 +274,20 @@ class RoundPipe:
         self._hf_config = source.config if source.is_hf else None
         self._module_names = None
         _live_models.add(self)
-        weights = None
-        if source.converted is not None:
-            weights = source.converted.params
-        elif source.module is not None:
-            weights = module_weights(source.module, self._param_shapes(),
-                                     self._num_hidden_layers,
-                                     bool(self._hf_config.get("tie_word_embeddings")))
-        if weights is not None:
-            try:
+        try:
+            weights = None
+            if source.converted is not None:
+                weights = source.converted.params
+            elif source.module is not None:
+                weights = module_weights(source.module, self._param_shapes(),
+                                         self._num_hidden_layers,
+                                         bool(self._hf_config.get("tie_word_embeddings")))
+            if weights is not None:
                 self._copy_in([(engine_name, p) for engine_name, p, _ in weights])
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
+        if weights is not None:
             self._module_names = {engine_name: mod_name for engine_name, _, mod_name in weights}
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -595,7 +596,8 @@ class RoundPipe:
                 back-propagates through it with torch autograd. Exceptions it raises abort the
                 call and are re-raised here; the model stays usable and no gradient of the call
                 is kept.
-            return_outputs: also return the merged outputs.
+            return_outputs: also return the merged outputs (not with "causal_lm", which
+                never forms the logits).
             run_config: per-call RoundPipeRunConfig.
 
         Returns:
@@ -615,6 +617,11 @@ class RoundPipe:
         if loss_fn is None or isinstance(loss_fn, (str, BuiltinLoss)):
             builtin = loss_fn if isinstance(loss_fn, BuiltinLoss) else BuiltinLoss(loss_fn or
                                                                                     "output")
+            if builtin.kind == "causal_lm" and return_outputs:
+                raise RoundPipeUnsupportedError(
+                    "return_outputs with the causal_lm loss: the LM head computes the loss "
+                    "chunk by chunk and never forms the logits; call forward() for logits, or "
+                    "pass a Python loss_fn, which receives them")
             if label is not None:
                 if not isinstance(label, torch.Tensor):
                     raise TypeError("with a built-in loss the label must be one tensor, got %s"

@@ -1,0 +1,242 @@
+// adamw_bench: CPU AdamW over fp32 parameters, on libtorch's intra-op threads.
+//   ours        rp::adamw_update (src/optim/adamw_kernel.cpp, compiled into this program)
+//   torch       torch::optim::AdamW (libtorch's C++ optimizer: one ATen op per pass)
+//   fused       at::_fused_adamw_ (PyTorch's fused CPU kernel, torch.optim.AdamW(fused=True))
+//   copy        a plain memcpy split over the same threads, for the achievable bytes/s
+// and prints one JSON line with times, parameters/s, bytes/s and ratios.
+//
+//   adamw_bench --params 2.5e8 --tensors 16 --reps 5
+//
+// AdamW reads parameter, gradient and both moments and writes parameter and moments: 28 bytes
+// per parameter. The copy reads and writes each byte once: 2 bytes of traffic per byte copied.
+#include "optim/adamw_kernel.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/adamw.h>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+    int64_t params = 250000000;
+    int64_t tensors = 16;
+    int reps = 5, warmup = 1, threads = 0;
+    std::vector<std::string> variants = {"ours", "fused", "torch", "copy"};
+    std::string label;
+};
+
+[[noreturn]] void usage(const char *argv0, const std::string &why) {
+    std::fprintf(stderr,
+                 "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
+                 " [--threads N]\n  [--variants ours,fused,torch,copy (order of the runs)] [--label TEXT]\n",
+                 why.c_str(), argv0);
+    std::exit(2);
+}
+
+Options parse(int argc, char **argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+        std::string a = argv[i];
+        if (i + 1 >= argc)
+            usage(argv[0], "missing value for " + a);
+        std::string v = argv[++i];
+        try {
+            if (a == "--params") o.params = static_cast<int64_t>(std::stod(v));
+            else if (a == "--tensors") o.tensors = std::stoll(v);
+            else if (a == "--reps") o.reps = std::stoi(v);
+            else if (a == "--warmup") o.warmup = std::stoi(v);
+            else if (a == "--threads") o.threads = std::stoi(v);
+            else if (a == "--label") o.label = v;
+            else if (a == "--variants") {
+                o.variants.clear();
+                std::stringstream ss(v);
+                std::string item;
+                while (std::getline(ss, item, ',')) {
+                    if (item != "ours" && item != "fused" && item != "torch" && item != "copy")
+                        usage(argv[0], "unknown variant '" + item + "'");
+                    o.variants.push_back(item);
+                }
+            }
+            else usage(argv[0], "unknown flag " + a);
+        } catch (const std::logic_error &) {
+            usage(argv[0], "bad value '" + v + "' for " + a);
+        }
+    }
+    if (o.params < 1 || o.tensors < 1 || o.tensors > o.params || o.reps < 1 || o.warmup < 0)
+        usage(argv[0], "need params >= tensors >= 1, reps >= 1, warmup >= 0");
+    return o;
+}
+
+void progress(const std::string &msg) {
+    std::fprintf(stderr, "[adamw_bench] %s\n", msg.c_str());
+    std::fflush(stderr);
+}
+
+struct Timing {
+    double median_ms, min_ms;
+};
+
+Timing time_it(const char *name, int warmup, int reps, const std::function<void()> &fn) {
+    for (int i = 0; i < warmup; ++i)
+        fn();
+    std::vector<double> t;
+    for (int i = 0; i < reps; ++i) {
+        auto t0 = Clock::now();
+        fn();
+        t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    double med = t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
+    progress(std::string(name) + ": median " + std::to_string(med) + " ms, min " +
+             std::to_string(t.front()) + " ms over " + std::to_string(reps) + " runs");
+    return {med, t.front()};
+}
+
+constexpr double kLr = 1e-3, kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8, kWd = 1e-2;
+
+// Largest |difference| between our kernel and PyTorch's fused kernel after three steps from the
+// same state (odd length, so vector tails are covered).
+double check_against_fused() {
+    const int64_t n = (1 << 20) + 3;
+    at::manual_seed(0);
+    at::Tensor p0 = at::randn({n});
+    at::Tensor p_ours = p0.clone(), m_ours = at::zeros({n}), v_ours = at::zeros({n});
+    at::Tensor p_fused = p0.clone(), m_fused = at::zeros({n}), v_fused = at::zeros({n});
+    at::Tensor step = at::zeros({});
+    for (int k = 1; k <= 3; ++k) {
+        at::Tensor g = at::randn({n});
+        rp::adamw_update(p_ours.data_ptr<float>(), g.data_ptr<float>(), m_ours.data_ptr<float>(),
+                         v_ours.data_ptr<float>(), n, {kLr, kBeta1, kBeta2, kEps, kWd}, k);
+        step.add_(1);
+        at::_fused_adamw_({p_fused}, {g}, {m_fused}, {v_fused}, {}, {step}, kLr, kBeta1, kBeta2,
+                          kWd, kEps, false, false);
+    }
+    return (p_ours - p_fused).abs().max().item<double>();
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+    Options o = parse(argc, argv);
+    if (o.threads > 0)
+        at::set_num_threads(o.threads);
+    const int threads = at::get_num_threads();
+
+    // Equal tensors (the last takes the remainder), allocated separately like a model's.
+    std::vector<at::Tensor> P, G, M, V;
+    std::vector<int64_t> sizes;
+    const int64_t per = o.params / o.tensors;
+    for (int64_t i = 0; i < o.tensors; ++i)
+        sizes.push_back(i + 1 < o.tensors ? per : o.params - per * (o.tensors - 1));
+    progress("allocating " + std::to_string(o.params) + " parameters in " +
+             std::to_string(o.tensors) + " tensors, " + std::to_string(threads) + " threads");
+    for (int64_t n : sizes) {
+        // Values of a model in training; filled in parallel (normal_ on the CPU is serial).
+        at::Tensor idx = at::arange(n, at::TensorOptions().dtype(at::kFloat));
+        P.push_back(at::sin(idx).mul_(0.02));
+        G.push_back(at::cos(idx.mul(0.37)).mul_(1e-3));
+        M.push_back(at::zeros({n}));
+        V.push_back(at::zeros({n}));
+    }
+    const double n = static_cast<double>(o.params);
+    const double adam_bytes = 28.0 * n;
+
+    // Every variant runs on the same arrays (the values do not change the work), in the order
+    // given by --variants.
+    int64_t step_ours = 0;
+    std::vector<at::Tensor> steps;
+    for (size_t i = 0; i < P.size(); ++i)
+        steps.push_back(at::zeros({}));
+    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN};
+    for (const std::string &variant : o.variants) {
+        if (variant == "ours") {
+            ours = time_it("ours (rp::adamw_update)", o.warmup, o.reps, [&] {
+                ++step_ours;
+                for (size_t i = 0; i < P.size(); ++i)
+                    rp::adamw_update(P[i].data_ptr<float>(), G[i].data_ptr<float>(),
+                                     M[i].data_ptr<float>(), V[i].data_ptr<float>(),
+                                     P[i].numel(), {kLr, kBeta1, kBeta2, kEps, kWd}, step_ours);
+            });
+        } else if (variant == "fused") {
+            fused = time_it("fused (at::_fused_adamw_)", o.warmup, o.reps, [&] {
+                at::_foreach_add_(steps, 1.0);
+                at::_fused_adamw_(P, G, M, V, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, false,
+                                  false);
+            });
+        } else if (variant == "torch") {
+            // torch::optim::AdamW keeps its own moments (allocated on its first step, which
+            // is therefore always a warm-up).
+            std::vector<at::Tensor> leaves;
+            for (size_t i = 0; i < P.size(); ++i) {
+                at::Tensor p = P[i].detach().requires_grad_(true);
+                p.mutable_grad() = G[i];
+                leaves.push_back(p);
+            }
+            torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(kLr)
+                                                .betas(std::make_tuple(kBeta1, kBeta2))
+                                                .eps(kEps)
+                                                .weight_decay(kWd));
+            torch_adamw = time_it("torch::optim::AdamW", std::max(1, o.warmup), o.reps,
+                                  [&] { opt.step(); });
+        } else if (variant == "copy") {
+            // A plain copy of gradient-sized arrays, split over the same threads. It writes
+            // into scratch arrays of its own, allocated and touched first.
+            std::vector<at::Tensor> dst;
+            for (const at::Tensor &g : G)
+                dst.push_back(at::zeros_like(g));
+            copy = time_it("memcpy", o.warmup, o.reps, [&] {
+                for (size_t i = 0; i < G.size(); ++i) {
+                    const char *src = static_cast<const char *>(G[i].data_ptr());
+                    char *out = static_cast<char *>(dst[i].data_ptr());
+                    const int64_t bytes = static_cast<int64_t>(G[i].nbytes());
+                    at::parallel_for(0, bytes, int64_t{1} << 20, [&](int64_t b, int64_t e) {
+                        std::memcpy(out + b, src + b, static_cast<size_t>(e - b));
+                    });
+                }
+            });
+        }
+    }
+    const double copy_gbps = 2.0 * 4.0 * n / copy.median_ms / 1e6;
+    const double max_diff = check_against_fused();
+
+    std::string label;
+    for (char c : o.label)
+        if (c != '"' && c != '\\' && static_cast<unsigned char>(c) >= 0x20)
+            label += c;
+    auto r = [](double v, int d) {
+        double f = std::pow(10.0, d);
+        return std::round(v * f) / f;
+    };
+    auto gparams = [&](const Timing &t) { return r(n / t.median_ms / 1e6, 3); };
+    auto gbps = [&](const Timing &t) { return r(adam_bytes / t.median_ms / 1e6, 3); };
+    std::printf(
+        "{\"bench\":\"adamw\",\"status\":\"%s\",\"label\":\"%s\",\"params\":%lld,\"tensors\":%lld,"
+        "\"threads\":%d,\"reps\":%d,"
+        "\"ours_ms\":%.3f,\"ours_min_ms\":%.3f,\"ours_gparams_per_s\":%.3f,\"ours_gbps\":%.3f,"
+        "\"fused_ms\":%.3f,\"fused_min_ms\":%.3f,\"fused_gparams_per_s\":%.3f,\"fused_gbps\":%.3f,"
+        "\"torch_adamw_ms\":%.3f,\"torch_adamw_gparams_per_s\":%.3f,"
+        "\"copy_ms\":%.3f,\"copy_gbps\":%.3f,"
+        "\"speedup_vs_fused\":%.4f,\"speedup_vs_torch_adamw\":%.4f,"
+        "\"ours_fraction_of_copy_bw\":%.4f,\"fused_fraction_of_copy_bw\":%.4f,"
+        "\"max_abs_diff_vs_fused\":%.3g}\n",
+        max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
+        static_cast<long long>(o.tensors), threads, o.reps, ours.median_ms, ours.min_ms,
+        gparams(ours), gbps(ours), fused.median_ms, fused.min_ms, gparams(fused), gbps(fused),
+        torch_adamw.median_ms, gparams(torch_adamw), copy.median_ms, copy_gbps,
+        fused.median_ms / ours.median_ms, torch_adamw.median_ms / ours.median_ms,
+        gbps(ours) / copy_gbps, gbps(fused) / copy_gbps, max_diff);
+    return max_diff <= 1e-5 ? 0 : 1;
+}
