@@ -199,11 +199,14 @@ class RoundPipe:
             CPU worker devices.
         seed: seed of weight initialisation and dropout (default 0).
         stage_plan: explicit list of layers per stage (default: automatic).
+        gpu_memory_cap: bytes of GPU memory the model may use per GPU (default: 80% of free).
+        grad_scaler: dynamic loss scaling as ``(initial_scale, growth_interval)``, ``False`` to
+            turn it off (default: on for float16 models, off otherwise).
     """
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None,
                  pin_model="alloc", *, model_dtype=None, devices=None, seed=None,
-                 stage_plan=None):
+                 stage_plan=None, gpu_memory_cap=None, grad_scaler=None):
         self._handle = None  # first: close() and __del__ must work if __init__ fails
         self._params = None
         if name is None:
@@ -239,6 +242,11 @@ class RoundPipe:
             L.rp_model_options_set_name(options, str(name).encode())
             if devs is not None:
                 L.rp_model_options_set_devices(options, devs[0], devs[1])
+            if gpu_memory_cap is not None:
+                L.rp_model_options_set_gpu_memory_cap(options, int(gpu_memory_cap))
+            if grad_scaler is not None:
+                scale, interval = (0.0, 1) if grad_scaler is False else grad_scaler
+                L.rp_model_options_set_grad_scaler(options, float(scale), int(interval))
             if stage_plan is not None:
                 plan = [int(n) for n in stage_plan]
                 L.rp_model_options_set_stage_plan(options, (c_int32 * max(1, len(plan)))(*plan),
@@ -396,6 +404,24 @@ class RoundPipe:
     def step_count(self):
         """Optimizer steps enqueued so far."""
         return self._count(lib().rp_model_step_count, c_int64)
+
+    @property
+    def grad_scale(self):
+        """``(scale, skipped_steps)`` of dynamic loss scaling (scale 0: off)."""
+        scale, skipped = c_double(), c_int64()
+        lib().rp_model_grad_scale(byref(scale), byref(skipped), self.handle)
+        return scale.value, skipped.value
+
+    @property
+    def gpu_memory_cap(self):
+        """GPU memory cap in bytes (0 on CPU devices)."""
+        return self._count(lib().rp_model_gpu_memory_cap, c_int64)
+
+    def trace(self):
+        """Timing record of the last call, as a Chrome trace dict (``rp_model_trace_json``)."""
+        text = c_char_p()
+        lib().rp_model_trace_json(byref(text), self.handle)
+        return json.loads(text.value.decode())
 
     @property
     def model_run_config(self):
