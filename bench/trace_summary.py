@@ -30,6 +30,8 @@ def overlap(interval, merged):
 def summarise(events):
     devices = {}
     for e in events:
+        if e.get("ph") != "X" or e.get("cat") == "host":
+            continue  # metadata and host spans: summarised below
         devices.setdefault(e["pid"], {}).setdefault(e["tid"], []).append(
             (e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0))
     out = {}
@@ -49,6 +51,13 @@ def summarise(events):
             **{f"{name}_ms": round(sum(b - a for a, b in spans), 3)
                for name, spans in sorted(streams.items())},
         }
+    host = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "host":
+            key = "%s %s" % (e["tid"], e["name"].split(" ")[0])
+            host[key] = round(host.get(key, 0.0) + e["dur"] / 1000.0, 3)
+    if host:
+        out["host_ms"] = host
     return out
 
 

@@ -364,6 +364,9 @@ Trace parse_trace(const std::string &text) {
     Trace t;
     json j = json::parse(text);
     for (const json &e : j.at("traceEvents")) {
+        // Device events carry the job in args; metadata and host spans (pid 1000) do not.
+        if (e.value("ph", "") != "X" || !e.contains("args") || !e.at("args").contains("job"))
+            continue;
         const json &args = e.at("args");
         size_t id = args.at("job").get<size_t>();
         TraceJob &job = t.jobs[id];

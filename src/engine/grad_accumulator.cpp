@@ -2,7 +2,8 @@
 
 namespace rp {
 
-GradAccumulator::GradAccumulator(ParamStore &store) : store_(store), thread_([this] { loop(); }) {}
+GradAccumulator::GradAccumulator(ParamStore &store, HostTimeline &timeline)
+    : store_(store), timeline_(timeline), thread_([this] { loop(); }) {}
 
 GradAccumulator::~GradAccumulator() {
     {
@@ -56,6 +57,7 @@ void GradAccumulator::end_call(bool succeeded) {
 
 void GradAccumulator::apply(const Item &item) {
     item.lane->wait(item.ready); // the download of these tensors has landed
+    HostSpan span(timeline_, "gradients", "accumulate");
     for (const auto &g : item.grads) {
         at::Tensor &dst = store_.at(g.first).grad;
         bool first;

@@ -18,13 +18,14 @@
 #include <vector>
 
 #include "engine/device_lane.h"
+#include "engine/host_timeline.h"
 #include "engine/param_store.h"
 
 namespace rp {
 
 class GradAccumulator {
   public:
-    explicit GradAccumulator(ParamStore &store);
+    GradAccumulator(ParamStore &store, HostTimeline &timeline);
     ~GradAccumulator(); // drains, then joins
 
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
@@ -47,6 +48,7 @@ class GradAccumulator {
     void apply(const Item &item);
 
     ParamStore &store_;
+    HostTimeline &timeline_;
     std::mutex mutex_;
     std::condition_variable changed_;
     std::deque<Item> queue_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 
 #include "engine/error.h"
 #include "engine/cuda_memory.h"
@@ -86,14 +87,16 @@ Model::~Model() {
 std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) const {
     if (!explicit_plan_.empty())
         return plan_explicit(explicit_plan_, layers_.size());
-    // A stage's device footprint: its weights and their gradients in the model dtype. A GPU holds
-    // two stages' weights (one computing, one arriving) and one stage's gradients, and needs room
-    // for activations and library workspaces besides: a stage may use a third of the cap, which
+    // A stage's device footprint: its weights and their gradients in the model dtype, plus the
+    // layers' own workspaces. A GPU holds two stages' weights (one computing, one arriving) and one
+    // stage's gradients and needs room for activations: a stage may use a third of the cap, which
     // keeps it well within the half that two resident stages allow.
     std::vector<double> bytes(layers_.size(), 0.0);
-    for (size_t l = 0; l < layers_.size(); ++l)
+    for (size_t l = 0; l < layers_.size(); ++l) {
         for (size_t pi : store_.layer_params(l))
             bytes[l] += 2.0 * static_cast<double>(store_.at(pi).live.nbytes());
+        bytes[l] += layers_[l]->workspace_bytes();
+    }
     // Two stages per device keeps every device busy with the fused schedule while each stage
     // stays large enough to amortise its hand-offs.
     return plan_balanced(layer_costs, bytes, std::max<size_t>(2, 2 * num_devices()),
@@ -154,10 +157,13 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
 double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                                const Loss &loss, const RunConfig &call,
                                std::vector<at::Tensor> *outputs, bool *merge_output) {
+    timeline_.begin_call();
+    std::optional<HostSpan> phase(std::in_place, timeline_, "caller", "prepare");
     ResolvedRunConfig cfg = resolve(call);
     Microbatches mb = split_microbatches(inputs, labels, cfg);
     for (size_t m = 0; m < mb.inputs.size(); ++m)
         check_shapes(layers_, store_, mb.inputs[m], mb.labels[m], &loss);
+    phase.reset();
     // fp16: back-propagate a scaled loss so small gradients survive, and unscale on the host.
     const double scale = scaler_.enabled() ? scaler_.scale() : 1.0;
     Loss scaled = loss;
@@ -172,13 +178,16 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.keep_outputs = outputs != nullptr;
     ctx.gradients = &gradients_;
     gradients_.begin_call(grads_zero_, 1.0 / scale);
+    phase.emplace(timeline_, "caller", "pipeline");
     try {
         pipeline_.run(ctx);
     } catch (...) {
         gradients_.end_call(false); // a failed call leaves no trace in the gradients
         throw;
     }
+    phase.emplace(timeline_, "caller", "gradient drain");
     gradients_.end_call(true);
+    phase.emplace(timeline_, "caller", "loss");
     grads_zero_ = false;
     if (!replanned_ && has_cuda_devices() && explicit_plan_.empty()) {
         replanned_ = true;
@@ -223,7 +232,8 @@ void Model::step(std::function<void()> update, bool async) {
     store_.swap_grads();
     grads_zero_ = true; // the buffer coming back from the optimizer was zeroed by it
     ++enqueued_;
-    runner_.submit([this, update = std::move(update)] {
+    runner_.submit([this, update = std::move(update), number = enqueued_] {
+        HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
         // Whatever the update does, the staged copy and the gradient buffer are left ready for
         // the next step; the error (if any) is reported by the next waiting call.
         std::exception_ptr error;
@@ -301,22 +311,41 @@ namespace rp {
 
 std::string Model::trace_json() const {
     static const char *kinds[] = {"forward", "tail", "backward"};
-    std::string out = "{\"traceEvents\":[";
-    bool first = true;
+    // One zero for all: the host clock at the call's start. The device lanes start their clocks
+    // as the pipeline starts, within microseconds of the caller's "pipeline" span.
+    const auto zero = timeline_.call_start();
+    const std::vector<HostTimeline::Span> host = timeline_.spans();
+    double device_offset_ms = 0;
+    for (const HostTimeline::Span &h : host)
+        if (h.thread == "caller" && h.what == "pipeline")
+            device_offset_ms = std::chrono::duration<double, std::milli>(h.start - zero).count();
+    // Devices are processes 0..G-1; the host is process kHostPid, named by a metadata event.
+    constexpr int kHostPid = 1000;
+    std::string out = "{\"traceEvents\":[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" +
+                      std::to_string(kHostPid) + ",\"args\":{\"name\":\"host\"}}";
+    char buf[512];
     for (const JobTrace &job : pipeline_.last_trace())
         for (const TraceSpan &span : job.spans) {
-            char buf[512];
             std::snprintf(buf, sizeof buf,
-                          "%s{\"name\":\"%s stage %zu\",\"cat\":\"%s\",\"ph\":\"X\","
+                          ",{\"name\":\"%s stage %zu\",\"cat\":\"%s\",\"ph\":\"X\","
                           "\"ts\":%.3f,\"dur\":%.3f,\"pid\":%zu,\"tid\":\"%s\","
                           "\"args\":{\"job\":%zu,\"stage\":%zu,\"kind\":\"%s\"}}",
-                          first ? "" : ",", kinds[static_cast<int>(job.kind)], job.stage,
-                          span.what.c_str(), span.start_ms * 1000.0,
+                          kinds[static_cast<int>(job.kind)], job.stage, span.what.c_str(),
+                          (device_offset_ms + span.start_ms) * 1000.0,
                           (span.end_ms - span.start_ms) * 1000.0, job.device, span.what.c_str(),
                           job.job, job.stage, kinds[static_cast<int>(job.kind)]);
             out += buf;
-            first = false;
         }
+    for (const HostTimeline::Span &h : host) {
+        double start = std::chrono::duration<double, std::milli>(h.start - zero).count();
+        double end = std::chrono::duration<double, std::milli>(h.end - zero).count();
+        std::snprintf(buf, sizeof buf,
+                      ",{\"name\":\"%s\",\"cat\":\"host\",\"ph\":\"X\",\"ts\":%.3f,"
+                      "\"dur\":%.3f,\"pid\":%d,\"tid\":\"%s\"}",
+                      h.what.c_str(), start * 1000.0, (end - start) * 1000.0, kHostPid,
+                      h.thread.c_str());
+        out += buf;
+    }
     out += "],\"displayTimeUnit\":\"ms\"}";
     return out;
 }

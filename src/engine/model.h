@@ -7,6 +7,7 @@
 
 #include "engine/grad_accumulator.h"
 #include "engine/grad_scaler.h"
+#include "engine/host_timeline.h"
 #include "engine/loss.h"
 #include "engine/param_store.h"
 #include "engine/pipeline.h"
@@ -101,7 +102,8 @@ class Model {
     int64_t enqueued_ = 0;  // steps handed to the optimizer thread
     int64_t published_ = 0; // step whose weights the devices compute with
     bool grads_zero_ = true; // every accumulated-gradient buffer holds zeros
-    GradAccumulator gradients_{store_};
+    HostTimeline timeline_;
+    GradAccumulator gradients_{store_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     GradScaler scaler_;
     StepRunner runner_; // last member: its thread stops first

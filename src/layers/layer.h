@@ -56,6 +56,10 @@ class Layer {
     // and transfer time for the layers we build, plus a constant for parameter-free layers.
     virtual double cost_estimate() const;
 
+    // Device memory a training pass needs beyond weights, gradients and activations (e.g. the
+    // fp32 gradient accumulator of a chunked loss), in bytes; counted in the stage's budget.
+    virtual double workspace_bytes() const { return 0.0; }
+
   protected:
     std::vector<ParamSpec> params_;
 };

@@ -287,6 +287,12 @@ class LmHead final : public Layer {
         params_.push_back(std::move(weight));
     }
     std::string type() const override { return "lm_head"; }
+    // The fused loss keeps an fp32 [vocab, dim] gradient accumulator and, per chunk, fp32
+    // logits, their gradient and a low-precision copy.
+    double workspace_bytes() const override {
+        return 4.0 * static_cast<double>(vocab_) * static_cast<double>(dim_) +
+               3.0 * 4.0 * static_cast<double>(kChunkLogits);
+    }
     int64_t vocab() const { return vocab_; }
 
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
