@@ -105,7 +105,10 @@ EOF
 tb=$build/bench/train_bench
 common=(--batch 8 --seq 4096 --microbatches 4 --grain stage --dtype bf16 --devices cuda)
 
-run qwen3-1.7b 240 "$tb" --shape qwen3-1.7b "${common[@]}" --gpu-cap-gib 10 \
+# Under the 10 GiB cap: 8 microbatches of 4096 tokens and layer-grain recompute keep the
+# activations of one layer at a time (BENCH_CAPPED_ARGS overrides).
+capped=(--batch 8 --seq 4096 --dtype bf16 --devices cuda ${BENCH_CAPPED_ARGS:---microbatches 8 --grain layer})
+run qwen3-1.7b 240 "$tb" --shape qwen3-1.7b "${capped[@]}" --gpu-cap-gib 10 \
   --warmup 3 --steps "$steps" --fb-only-steps 2 --opt-steps 2 \
   --baseline on --baseline-warmup 2 --baseline-steps 5 \
   --trace "$out/trace_qwen3-1.7b.json" --label "$label cap=10GiB"
