@@ -124,6 +124,24 @@ void Model::replan_from_trace() {
                             std::to_string(stages_.size()) + " stages");
 }
 
+void Model::check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
+                              const Loss *loss) {
+    // The check depends only on shapes, dtypes and the loss kind: remember what passed, so the
+    // microbatches of a call and the calls of a training loop pay for it once (running 30
+    // layers on an empty batch on the host costs ~100 ms for an LLM).
+    std::string key = loss ? std::to_string(static_cast<int>(loss->kind)) : "forward";
+    for (const at::Tensor &t : inputs)
+        key += "|" + c10::str(t.sizes()) + c10::toString(t.scalar_type());
+    if (labels.defined())
+        key += "|labels" + c10::str(labels.sizes()) + c10::toString(labels.scalar_type());
+    if (checked_shapes_.count(key))
+        return;
+    check_shapes(layers_, store_, inputs, labels, loss);
+    if (checked_shapes_.size() >= 256)
+        checked_shapes_.clear(); // bounded: a loop over ever-new shapes re-checks, never grows
+    checked_shapes_.insert(std::move(key));
+}
+
 ResolvedRunConfig Model::resolve(const RunConfig &call) const {
     ResolvedRunConfig r = ResolvedRunConfig::resolve(RunConfig::overlay(run_config_, call),
                                                      static_cast<int>(num_devices()));
@@ -143,7 +161,7 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
     ResolvedRunConfig cfg = resolve(call);
     Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
     for (const auto &mb_inputs : mb.inputs)
-        check_shapes(layers_, store_, mb_inputs, at::Tensor(), nullptr);
+        check_shapes_once(mb_inputs, at::Tensor(), nullptr);
     CallContext ctx{layers_, stages_, store_, mb};
     ctx.seed = seed_;
     ctx.training = false;
@@ -162,7 +180,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ResolvedRunConfig cfg = resolve(call);
     Microbatches mb = split_microbatches(inputs, labels, cfg);
     for (size_t m = 0; m < mb.inputs.size(); ++m)
-        check_shapes(layers_, store_, mb.inputs[m], mb.labels[m], &loss);
+        check_shapes_once(mb.inputs[m], mb.labels[m], &loss);
     phase.reset();
     // fp16: back-propagate a scaled loss so small gradients survive, and unscale on the host.
     const double scale = scaler_.enabled() ? scaler_.scale() : 1.0;

@@ -2,6 +2,7 @@
 // thread, and the training-loop semantics that tie them (docs/semantics.md).
 #pragma once
 #include <memory>
+#include <unordered_set>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,8 @@ class Model {
     void check_output_device(const at::Device &d) const;
     void publish_completed_step();
     std::vector<at::Tensor> step_grads() const;
+    void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
+                           const Loss *loss);
     std::vector<Stage> plan_stages(const std::vector<double> &layer_costs) const;
     void replan_from_trace();
     void rethrow_step_error();
@@ -96,6 +99,7 @@ class Model {
     std::vector<int> explicit_plan_;
     int64_t gpu_memory_cap_ = 0;
     bool replanned_ = false;
+    std::unordered_set<std::string> checked_shapes_; // input signatures that passed check_shapes
     RunConfig run_config_;
     Pipeline pipeline_;
     uint64_t training_calls_ = 0;
