@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Multi-GPU scaling of the Qwen3-1.7B shape (issue 8's measurement on the GPU counts at hand):
+# builds train_bench like run_gpu_bench.sh, then runs it on each GPU count in $SCALING_GPUS
+# (default "1 2"), batch 8 x 4096, bf16, stage grain, 8 microbatches (>= GPUs + 1 up to 7 GPUs),
+# default memory cap, no baseline. One JSON line per count in $OUT/scaling.jsonl, then a table.
+#
+#   OUT=/tmp/out SCALING_GPUS="1 2 4" BENCH_COMMIT=<sha> bash bench/run_scaling.sh
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/rp-scaling}
+build=$root/build-gpu
+mkdir -p "$out"
+prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+if [ -d "$root/.gpu-deps" ]; then
+  prefix="$prefix;$root/.gpu-deps"
+  export CMAKE_INCLUDE_PATH=$root/.gpu-deps/include CMAKE_LIBRARY_PATH=$root/.gpu-deps/lib
+  export LD_LIBRARY_PATH=$root/.gpu-deps/lib:${LD_LIBRARY_PATH:-}
+fi
+commit=${BENCH_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+label="commit=$commit date=$(date -u +%Y-%m-%dT%H:%MZ) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l)"
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/configure.log" 2>&1 &&
+  cmake --build "$build" -j"$(nproc)" --target train_bench > "$out/build.log" 2>&1 ||
+  { tail -20 "$out/build.log"; echo "SUMMARY: build failed"; exit 1; }
+: > "$out/scaling.jsonl"
+for g in ${SCALING_GPUS:-1 2}; do
+  echo "[scaling] $g GPU(s)"
+  timeout 300 "$build/bench/train_bench" --shape qwen3-1.7b --batch 8 --seq 4096 --microbatches 8 \
+    --grain stage --dtype bf16 --devices cuda --num-devices "$g" --warmup 3 --steps 6 \
+    --fb-only-steps 1 --opt-steps 1 --baseline off --label "$label gpus=$g" \
+    2> "$out/scaling_$g.log" | tail -1 >> "$out/scaling.jsonl"
+done
+python3 - "$out/scaling.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+base = next((r["tokens_per_s"] for r in rows if r.get("num_devices") == 1 and r.get("tokens_per_s")), None)
+print("gpus  tokens/s  speedup  efficiency  peak GiB  status")
+for r in rows:
+    t = r.get("tokens_per_s")
+    n = r.get("num_devices") or 0
+    s = t / base if t and base else None
+    print("%4s  %8s  %7s  %10s  %8s  %s" % (n, t, "%.2f" % s if s else "-",
+          "%.2f" % (s / n) if s and n else "-",
+          "%.1f" % (r["peak_gpu_bytes"] / 2**30) if r.get("peak_gpu_bytes") else "-",
+          r.get("status"), ))
+PY
