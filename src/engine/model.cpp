@@ -104,19 +104,13 @@ std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) co
 }
 
 void Model::replan_from_trace() {
-    // A GPU is held by one job at a time, so the pipeline's pace is set by its longest job: a
-    // stage's forward job is one pass, its backward job recompute plus backward, the tail forward
-    // plus backward. Take each stage's longest job, spread it over the stage's layers in
-    // proportion to their estimates, and re-balance with the same memory limit, so that the
-    // longest jobs come out equal (the tail, which also computes the loss, gets fewer layers).
+    // Spread each stage's measured compute time over its layers in proportion to their
+    // estimates, then re-balance with the same memory limit: layers the estimate got wrong move.
     std::vector<double> stage_ms(stages_.size(), 0.0);
-    for (const JobTrace &job : pipeline_.last_trace()) {
-        double job_ms = 0;
+    for (const JobTrace &job : pipeline_.last_trace())
         for (const TraceSpan &span : job.spans)
             if (span.what == "compute")
-                job_ms += span.end_ms - span.start_ms;
-        stage_ms[job.stage] = std::max(stage_ms[job.stage], job_ms);
-    }
+                stage_ms[job.stage] += span.end_ms - span.start_ms;
     std::vector<double> cost(layers_.size());
     for (size_t s = 0; s < stages_.size(); ++s) {
         double estimate = 0;
