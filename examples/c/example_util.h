@@ -116,4 +116,23 @@ static inline int example_make_temp_dir(char *buffer, size_t size) {
     return mkdtemp(buffer) ? 0 : -1;
 }
 
+/* Where an example saves its weights: `given` when the user named a path, else `file_name` in a
+ * fresh scratch folder whose name goes to `temp_dir` (left "" otherwise, so the caller knows
+ * whether to remove it). Returns 0, or -1 after printing why. */
+static inline int example_output_path(char *path, size_t path_size, char *temp_dir,
+                                      size_t temp_size, const char *given,
+                                      const char *file_name) {
+    temp_dir[0] = '\0';
+    if (given != NULL) {
+        snprintf(path, path_size, "%s", given);
+        return 0;
+    }
+    if (example_make_temp_dir(temp_dir, temp_size) != 0) {
+        perror("mkdtemp");
+        return -1;
+    }
+    snprintf(path, path_size, "%s/%s", temp_dir, file_name);
+    return 0;
+}
+
 #endif /* ROUNDPIPE_EXAMPLE_UTIL_H */

@@ -147,16 +147,9 @@ static inline int ft_main(int argc, char **argv, const char *family, const char 
     }
 
     /* Save as a Hugging Face directory and load it back. */
-    char temp_dir[4096] = "", dir[4200];
-    if (save_dir != NULL) {
-        snprintf(dir, sizeof(dir), "%s", save_dir);
-    } else {
-        if (example_make_temp_dir(temp_dir, sizeof(temp_dir)) != 0) {
-            perror("mkdtemp");
-            return EXIT_FAILURE;
-        }
-        snprintf(dir, sizeof(dir), "%s/%s", temp_dir, family);
-    }
+    char temp_dir[4096], dir[4200];
+    if (example_output_path(dir, sizeof(dir), temp_dir, sizeof(temp_dir), save_dir, family) != 0)
+        return EXIT_FAILURE;
     CHECK(rp_model_save_hf(model, dir));
     rp_model *reloaded = ft_create(NULL, dir, device_kind, num_devices);
     size_t n_a = 0, n_b = 0;

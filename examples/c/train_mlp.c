@@ -157,16 +157,10 @@ int main(int argc, char **argv) {
     }
 
     /* Save, then load into a model initialised from another seed, and compare the outputs. */
-    char temp_dir[4096] = "", path[4200];
-    if (save_path != NULL) {
-        snprintf(path, sizeof(path), "%s", save_path);
-    } else {
-        if (example_make_temp_dir(temp_dir, sizeof(temp_dir)) != 0) {
-            perror("mkdtemp");
-            return EXIT_FAILURE;
-        }
-        snprintf(path, sizeof(path), "%s/train_mlp.safetensors", temp_dir);
-    }
+    char temp_dir[4096], path[4200];
+    if (example_output_path(path, sizeof(path), temp_dir, sizeof(temp_dir), save_path,
+                            "train_mlp.safetensors") != 0)
+        return EXIT_FAILURE;
     CHECK(rp_model_save(model, path));
 
     rp_model *reloaded = create_model(7, device_kind, num_devices);

@@ -178,16 +178,10 @@ int main(int argc, char **argv) {
     }
 
     /* Save the trained weights and load them into a model initialised differently. */
-    char temp_dir[4096] = "", path[4200];
-    if (save_path != NULL) {
-        snprintf(path, sizeof(path), "%s", save_path);
-    } else {
-        if (example_make_temp_dir(temp_dir, sizeof(temp_dir)) != 0) {
-            perror("mkdtemp");
-            return EXIT_FAILURE;
-        }
-        snprintf(path, sizeof(path), "%s/train_resnet.safetensors", temp_dir);
-    }
+    char temp_dir[4096], path[4200];
+    if (example_output_path(path, sizeof(path), temp_dir, sizeof(temp_dir), save_path,
+                            "train_resnet.safetensors") != 0)
+        return EXIT_FAILURE;
     CHECK(rp_model_save(model, path));
     rp_model *reloaded = create_model(99);
     CHECK(rp_model_load(reloaded, path));
