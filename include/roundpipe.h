@@ -191,6 +191,24 @@ typedef enum rp_pin_mode {
     RP_PIN_OFF = 2       /**< pageable memory */
 } rp_pin_mode;
 
+/**
+ * How much host memory the per-parameter state takes (docs/semantics.md, "Memory-saving mode").
+ * Bytes per parameter for bf16/fp16 models (fp32 models in parentheses), built-in optimizer
+ * state included:
+ *  - RP_HOST_MEMORY_STANDARD: 24 (28) bytes: fp32 master, fp32 AdamW moments, two fp32 gradient
+ *    buffers and two model-dtype weight copies, so an asynchronous step overlaps the whole next
+ *    call and its weights are one step stale.
+ *  - RP_HOST_MEMORY_SAVING: 12 (12) bytes: fp32 master, AdamW moments (SGD momentum) in bf16
+ *    with stochastic rounding, one gradient buffer (bf16; fp32 for fp32 models) and one
+ *    model-dtype weight copy (none for fp32 models, which upload the master). An asynchronous
+ *    step still overlaps the next call: the step updates the layers in order and each stage's
+ *    weights are uploaded as soon as the step has passed it, so weights are never stale.
+ */
+typedef enum rp_host_memory_mode {
+    RP_HOST_MEMORY_STANDARD = 0,
+    RP_HOST_MEMORY_SAVING = 1
+} rp_host_memory_mode;
+
 /** Which kind of device runs the stages. */
 typedef enum rp_device_kind {
     RP_DEVICE_AUTO = 0, /**< all visible GPUs, else CPU worker devices */
@@ -298,6 +316,11 @@ RP_API rp_status rp_model_options_set_optim_dtype(rp_model_options *options, int
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode);
 
+/** Host memory layout of parameters, gradients and optimizer state (default
+ * RP_HOST_MEMORY_STANDARD; see rp_host_memory_mode).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_model_options_set_host_memory_mode(rp_model_options *options, int32_t mode);
+
 /** Model-level run configuration, copied (NULL clears it).
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
@@ -385,6 +408,15 @@ RP_API rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_ste
 
 /** The GPU memory cap in force (0 on CPU devices). */
 RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
+
+/** Host memory held by the model's parameter state: master weights, weight copies the devices
+ * read, gradient buffers and built-in optimizer state (allocated at the first built-in step),
+ * counted as tensor bytes (allocator padding excluded), and the number of parameter elements
+ * (tied parameters once), so out_bytes / out_elements is bytes per parameter.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). Thread: the thread driving this
+ * model. */
+RP_API rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
+                                           rp_model *model);
 
 /**
  * Timing record of the model's last rp_forward / rp_forward_backward, as Chrome trace JSON

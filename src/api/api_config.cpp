@@ -187,6 +187,18 @@ rp_status rp_model_options_set_optim_dtype(rp_model_options *options, int32_t dt
     });
 }
 
+rp_status rp_model_options_set_host_memory_mode(rp_model_options *options, int32_t mode) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(mode == RP_HOST_MEMORY_STANDARD || mode == RP_HOST_MEMORY_SAVING,
+                "host memory mode must be RP_HOST_MEMORY_STANDARD (0) or RP_HOST_MEMORY_SAVING "
+                "(1), got " + std::to_string(mode));
+        options->options.host_memory_mode = mode == RP_HOST_MEMORY_SAVING
+                                                ? HostMemoryMode::Saving
+                                                : HostMemoryMode::Standard;
+    });
+}
+
 rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode) {
     return guard([&] {
         require_arg(options, "options is NULL");

@@ -193,6 +193,14 @@ rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model) {
     });
 }
 
+rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
+                                    rp_model *model) {
+    return guard([&] {
+        require_arg(out_bytes && out_elements, "out_bytes or out_elements is NULL");
+        *out_bytes = model_of(model).host_state_bytes(out_elements);
+    });
+}
+
 rp_status rp_model_trace_json(const char **out_json, rp_model *model) {
     return guard([&] {
         require_arg(out_json, "out_json is NULL");
@@ -301,7 +309,8 @@ rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int3
         require_arg(fn, "step callback is NULL");
         require(!m.on_optimizer_thread(), "rp_step_callback may not be called from a step callback");
         m.step(
-            [model, fn, user_data] {
+            // A callback updates every parameter at once: they become final when it returns.
+            [model, fn, user_data](const std::function<void(size_t)> &) {
                 int32_t rc = fn(model, user_data);
                 if (rc != 0)
                     fail(ErrorKind::Callback, "step callback returned " + std::to_string(rc));

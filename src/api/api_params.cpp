@@ -72,7 +72,9 @@ rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t in
         require_arg(out_tensor, "out_tensor is NULL");
         const Param &p = param_of(model, index);
         // Inside a step callback the optimizer sees the gradients of its own step.
-        *out_tensor = export_dlpack(model->model->on_optimizer_thread() ? p.step_grad : p.grad);
+        *out_tensor = export_dlpack(model->model->on_optimizer_thread()
+                                         ? model->model->params().step_grad(index)
+                                         : p.grad);
     });
 }
 

@@ -37,7 +37,10 @@ void DeviceWorker::loop() {
             queue_.pop_front();
             // Only this thread pops, and deque::push_back keeps references valid: `next` stays
             // good after the lock is released.
-            if (!queue_.empty() && !queue_.front().prefetched)
+            // A prefetch that would wait (for the optimizer, in memory-saving mode) is left to
+            // the job itself, so it cannot hold up the job running now.
+            if (!queue_.empty() && !queue_.front().prefetched &&
+                (!queue_.front().ready || queue_.front().ready()))
                 next = &queue_.front();
         }
         if (!job.prefetched)

@@ -17,6 +17,7 @@ namespace rp {
 
 struct StageJob {
     std::function<void()> prefetch; // starts the weight upload; run() uses its result
+    std::function<bool()> ready;    // whether prefetch() would start without waiting
     std::function<void()> run;      // must not throw: failures go to the call's state
     bool prefetched = false;
 };

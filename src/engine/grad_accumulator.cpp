@@ -70,7 +70,7 @@ void GradAccumulator::apply(const Item &item) {
             if (factor_ != 1.0)
                 dst.mul_(factor_);
         } else {
-            dst.add_(g.second.to(at::kFloat), factor_);
+            dst.add_(g.second, factor_); // promotes into dst's dtype without a temporary
         }
     }
 }

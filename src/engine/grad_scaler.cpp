@@ -1,5 +1,7 @@
 #include "engine/grad_scaler.h"
 
+#include <cmath>
+
 namespace rp {
 
 double GradScaler::scale() const {
@@ -14,11 +16,14 @@ int64_t GradScaler::skipped_steps() const {
 
 bool GradScaler::step_may_proceed(const std::vector<at::Tensor> &grads) {
     bool finite = true;
-    for (const at::Tensor &g : grads)
-        if (!at::isfinite(g).all().item<bool>()) {
+    for (const at::Tensor &g : grads) {
+        // inf and nan propagate through a sum, and a double sum of fp32 values cannot overflow:
+        // one read of the gradient and no mask tensor the size of it.
+        if (!std::isfinite(g.sum(at::kDouble).item<double>())) {
             finite = false;
             break;
         }
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (!finite) {
         scale_ *= 0.5;

@@ -45,7 +45,7 @@ int visible_cuda_devices() { return at::hasCUDA() ? static_cast<int>(at::getNumG
 
 Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
     : name_(o.name), seed_(o.seed), layers_(std::move(layers)),
-      store_(layers_, o.model_dtype, o.seed, host_memory_for(o)),
+      store_(layers_, o.model_dtype, o.seed, host_memory_for(o), o.host_memory_mode),
       run_config_(o.run_config), pipeline_(choose_devices(o)),
       scaler_(o.grad_scale >= 0 ? o.grad_scale : (o.model_dtype == at::kHalf ? 65536.0 : 0.0),
               o.grad_scale_growth_interval) {
@@ -167,6 +167,7 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
     ctx.training = false;
     ctx.output_device = cfg.output_device;
     ctx.grain = cfg.grain;
+    gate_call(ctx);
     pipeline_.run(ctx);
     *merge_output = cfg.merge_output;
     return ctx.outputs;
@@ -195,6 +196,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
     ctx.gradients = &gradients_;
+    gate_call(ctx);
     gradients_.begin_call(grads_zero_, 1.0 / scale);
     phase.emplace(timeline_, "caller", "pipeline");
     try {
@@ -226,11 +228,19 @@ void Model::rethrow_step_error() {
         try {
             std::rethrow_exception(e);
         } catch (const Error &err) {
-            fail(err.kind() == ErrorKind::Callback ? ErrorKind::Callback : err.kind(),
-                 std::string("an earlier optimizer step failed: ") + err.what());
+            fail(err.kind(), std::string("an earlier optimizer step failed: ") + err.what());
         } catch (const std::exception &err) {
             fail(ErrorKind::Callback, std::string("an earlier optimizer step failed: ") + err.what());
         }
+    }
+}
+
+void Model::gate_call(CallContext &ctx) const {
+    // Memory-saving mode has one weight copy: a stage may go up only once the steps queued so
+    // far have updated it (and consumed its gradients, which this call will write).
+    if (store_.saving()) {
+        ctx.gate = &gate_;
+        ctx.gate_step = enqueued_;
     }
 }
 
@@ -238,36 +248,27 @@ void Model::publish_completed_step() {
     if (published_ == enqueued_)
         return;
     runner_.wait_for(enqueued_);
-    store_.publish_staged();
+    if (!store_.saving())
+        store_.publish_staged();
     published_ = enqueued_;
 }
 
-void Model::step(std::function<void()> update, bool async) {
-    // Make the previous step's weights the ones in use (staleness one), then hand this step the
-    // gradients accumulated since.
-    publish_completed_step();
-    rethrow_step_error();
-    store_.swap_grads();
-    grads_zero_ = true; // the buffer coming back from the optimizer was zeroed by it
+void Model::step(StepUpdate update, bool async) {
+    if (store_.saving()) {
+        // One buffer of each kind: the step consumes `grad` in place and opens each parameter
+        // to the next call as it goes (StepGate); nothing to swap or publish.
+        rethrow_step_error();
+    } else {
+        // Make the previous step's weights the ones in use (staleness one), then hand this step
+        // the gradients accumulated since.
+        publish_completed_step();
+        rethrow_step_error();
+        store_.swap_grads();
+    }
+    grads_zero_ = true; // the buffer the next call accumulates into is zeroed by the step
     ++enqueued_;
     runner_.submit([this, update = std::move(update), number = enqueued_] {
-        HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
-        // Whatever the update does, the staged copy and the gradient buffer are left ready for
-        // the next step; the error (if any) is reported by the next waiting call.
-        std::exception_ptr error;
-        try {
-            if (!scaler_.enabled() || scaler_.step_may_proceed(step_grads()))
-                update();
-            else
-                log(LogLevel::Info, name_ + ": gradients overflowed; step skipped, loss scale now " +
-                                        std::to_string(scaler_.scale()));
-        } catch (...) {
-            error = std::current_exception();
-        }
-        store_.stage_from_master();
-        store_.zero_step_grads();
-        if (error)
-            std::rethrow_exception(error);
+        run_step(update, number);
     });
     if (!async) {
         publish_completed_step();
@@ -275,31 +276,69 @@ void Model::step(std::function<void()> update, bool async) {
     }
 }
 
+void Model::run_step(const StepUpdate &update, int64_t number) {
+    HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
+    const bool saving = store_.saving();
+    std::vector<bool> finished(saving ? store_.size() : 0, false);
+    auto param_done = [&](size_t i) {
+        if (!saving)
+            return;
+        store_.finish_step(i);
+        finished[i] = true;
+        gate_.open(i, number);
+    };
+    // Whatever the update does, the weight copy and the gradient buffer are left ready for the
+    // next call; the error (if any) is reported by the next waiting call.
+    std::exception_ptr error;
+    try {
+        if (!scaler_.enabled() || scaler_.step_may_proceed(step_grads()))
+            update(param_done);
+        else
+            log(LogLevel::Info, name_ + ": gradients overflowed; step skipped, loss scale now " +
+                                    std::to_string(scaler_.scale()));
+    } catch (...) {
+        error = std::current_exception();
+    }
+    if (saving) {
+        for (size_t i = 0; i < store_.size(); ++i)
+            if (!finished[i])
+                store_.finish_step(i);
+        gate_.open_all(number);
+    } else {
+        store_.stage_from_master();
+        store_.zero_step_grads();
+    }
+    if (error)
+        std::rethrow_exception(error);
+}
+
 std::vector<at::Tensor> Model::step_grads() const {
     std::vector<at::Tensor> grads;
     for (size_t i = 0; i < store_.size(); ++i)
-        grads.push_back(store_.at(i).step_grad);
+        grads.push_back(store_.step_grad(i));
     return grads;
 }
 
 void Model::step_builtin(const OptimizerSettings &settings, bool async) {
     if (!builtin_)
-        builtin_ = std::make_unique<BuiltinOptimizer>(settings.kind);
+        builtin_ = std::make_unique<BuiltinOptimizer>(settings.kind, store_.saving());
     else if (builtin_->kind() != settings.kind)
         fail(ErrorKind::State, std::string("the model already holds ") +
                                    (builtin_->kind() == OptimizerKind::AdamW ? "AdamW" : "SGD") +
                                    " state; use the same optimizer kind for every step");
     BuiltinOptimizer *opt = builtin_.get();
     step(
-        [this, opt, settings] {
-            std::vector<at::Tensor> params, grads;
-            for (size_t i = 0; i < store_.size(); ++i) {
+        [this, opt, settings](const std::function<void(size_t)> &param_done) {
+            std::vector<at::Tensor> params;
+            for (size_t i = 0; i < store_.size(); ++i)
                 params.push_back(store_.at(i).master);
-                grads.push_back(store_.at(i).step_grad);
-            }
-            opt->step(params, grads, settings);
+            opt->step(params, step_grads(), settings, param_done);
         },
         async);
+}
+
+int64_t Model::host_state_bytes(int64_t *elements) const {
+    return store_.state_bytes(elements) + (builtin_ ? builtin_->state_bytes() : 0);
 }
 
 void Model::synchronize() {
@@ -311,6 +350,8 @@ void Model::synchronize() {
 }
 
 void Model::zero_grad() {
+    if (store_.saving())
+        runner_.wait_for(enqueued_); // a running step still reads the one gradient buffer
     store_.zero_grads();
     grads_zero_ = true;
 }

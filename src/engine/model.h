@@ -14,6 +14,7 @@
 #include "engine/pipeline.h"
 #include "engine/run_config.h"
 #include "engine/stage_planner.h"
+#include "engine/step_gate.h"
 #include "layers/layer.h"
 #include "optim/builtin_optimizer.h"
 #include "optim/step_runner.h"
@@ -38,7 +39,13 @@ struct ModelOptions {
     // and off otherwise) and the number of good steps between doublings.
     double grad_scale = -1.0;
     int grad_scale_growth_interval = 2000;
+    HostMemoryMode host_memory_mode = HostMemoryMode::Standard;
 };
+
+// An optimizer update over master weights from step gradients. It may call `param_done(i)` as
+// soon as parameter i is final, which lets the next call upload that parameter early in
+// memory-saving mode.
+using StepUpdate = std::function<void(const std::function<void(size_t)> &param_done)>;
 
 int visible_cuda_devices();
 
@@ -57,7 +64,7 @@ class Model {
                             std::vector<at::Tensor> *outputs, bool *merge_output);
 
     // Queues `update` (which changes master weights from step grads) as the next step.
-    void step(std::function<void()> update, bool async);
+    void step(StepUpdate update, bool async);
     void step_builtin(const OptimizerSettings &settings, bool async);
     void synchronize();
     void zero_grad();
@@ -75,6 +82,9 @@ class Model {
     int64_t gpu_memory_cap() const { return gpu_memory_cap_; }
     double grad_scale() const { return scaler_.enabled() ? scaler_.scale() : 0.0; }
     int64_t skipped_steps() const { return scaler_.skipped_steps(); }
+    // Host bytes of parameter state, built-in optimizer state included; `elements` receives the
+    // parameter count.
+    int64_t host_state_bytes(int64_t *elements) const;
     // The timing record of the last call as Chrome trace JSON (one process per device, one
     // thread per stream).
     std::string trace_json() const;
@@ -85,6 +95,8 @@ class Model {
     void check_output_device(const at::Device &d) const;
     void publish_completed_step();
     std::vector<at::Tensor> step_grads() const;
+    void run_step(const StepUpdate &update, int64_t number);
+    void gate_call(CallContext &ctx) const;
     void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                            const Loss *loss);
     std::vector<Stage> plan_stages(const std::vector<double> &layer_costs) const;
@@ -110,6 +122,7 @@ class Model {
     GradAccumulator gradients_{store_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     GradScaler scaler_;
+    StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds
     StepRunner runner_; // last member: its thread stops first
 };
 

@@ -4,8 +4,13 @@
 //   staged    model-dtype copy of the master written by the optimizer thread after each step,
 //             swapped with `live` when the step is published (double buffer: an async step never
 //             writes weights a running pipeline reads);
-//   grad      fp32 gradient accumulated by forward_backward since the last step;
-//   step_grad fp32 gradient the running step consumes (swapped with `grad` at rp_step).
+//   grad      gradient accumulated by forward_backward since the last step;
+//   step_grad gradient the running step consumes (swapped with `grad` at rp_step).
+//
+// Memory-saving mode (docs/semantics.md) keeps one buffer of each kind: no `staged` (steps are
+// ordered against calls by a StepGate instead), no `step_grad` (the step consumes `grad` before
+// the next call's gradients for that parameter can arrive), `grad` in bf16 for 16-bit models, and
+// `live` is the master itself for fp32 models.
 #pragma once
 #include <string>
 #include <vector>
@@ -22,6 +27,8 @@ enum class HostMemory {
     Registered  // ordinary allocations page-locked in place with cudaHostRegister
 };
 
+enum class HostMemoryMode { Standard, Saving };
+
 struct Param {
     std::string name;
     size_t layer;
@@ -33,7 +40,7 @@ class ParamStore {
     // Initialises every parameter from `seed` (docs/semantics.md). `host_memory` says how the
     // model-dtype copies the devices read are page-locked (only meaningful with CUDA devices).
     ParamStore(const std::vector<std::unique_ptr<Layer>> &layers, at::ScalarType model_dtype,
-               uint64_t seed, HostMemory host_memory);
+               uint64_t seed, HostMemory host_memory, HostMemoryMode mode);
     ~ParamStore();
     ParamStore(const ParamStore &) = delete;
     ParamStore &operator=(const ParamStore &) = delete;
@@ -43,19 +50,31 @@ class ParamStore {
     const Param &at(size_t i) const { return params_[i]; }
     const std::vector<size_t> &layer_params(size_t layer) const { return by_layer_[layer]; }
     at::ScalarType model_dtype() const { return model_dtype_; }
+    bool saving() const { return mode_ == HostMemoryMode::Saving; }
     int64_t find(const std::string &name) const; // -1 when absent
+    // The gradient an optimizer step reads: step_grad, or grad in memory-saving mode.
+    const at::Tensor &step_grad(size_t i) const {
+        return saving() ? params_[i].grad : params_[i].step_grad;
+    }
+    // Tensor bytes of master, weight copies and gradients; `elements` receives the parameter
+    // count.
+    int64_t state_bytes(int64_t *elements) const;
 
     void zero_grads();
+    // Standard mode only: the double buffers of weights and gradients.
     void swap_grads();            // grad <-> step_grad; step_grad must be zero
     void zero_step_grads();
     void stage_from_master();     // staged = master (optimizer thread)
     void publish_staged();        // live <-> staged
-    void refresh_live_from_master(); // live = staged = master (nothing in flight)
+    // Memory-saving mode, optimizer thread: parameter i's live copy = master, gradient = 0.
+    void finish_step(size_t i);
+    void refresh_live_from_master(); // live (and staged) = master (nothing in flight)
 
   private:
     std::vector<Param> params_;
     std::vector<std::vector<size_t>> by_layer_;
     at::ScalarType model_dtype_;
+    HostMemoryMode mode_;
     std::vector<void *> registered_; // host ranges to unregister at destruction
 };
 

@@ -45,6 +45,7 @@ void Pipeline::run(CallContext &ctx) {
                 *prefetch_error = std::current_exception();
             }
         };
+        j.ready = [&ctx, stage] { return stage_weights_ready(ctx, stage); };
         j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, job] {
             try {
                 if (*prefetch_error)

@@ -219,11 +219,29 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
 
 } // namespace
 
-Transfer upload_stage_weights(const CallContext &ctx, size_t s, DeviceLane &lane, size_t job) {
-    std::vector<at::Tensor> host;
+namespace {
+
+std::vector<size_t> stage_params(const CallContext &ctx, size_t s) {
+    std::vector<size_t> params;
     for (size_t l = ctx.stages[s].first_layer; l < ctx.stages[s].end_layer; ++l)
         for (size_t pi : ctx.store.layer_params(l))
-            host.push_back(ctx.store.at(pi).live);
+            params.push_back(pi);
+    return params;
+}
+
+} // namespace
+
+bool stage_weights_ready(const CallContext &ctx, size_t s) {
+    return !ctx.gate || ctx.gate->is_open(stage_params(ctx, s), ctx.gate_step);
+}
+
+Transfer upload_stage_weights(const CallContext &ctx, size_t s, DeviceLane &lane, size_t job) {
+    const std::vector<size_t> params = stage_params(ctx, s);
+    if (ctx.gate)
+        ctx.gate->wait(params, ctx.gate_step);
+    std::vector<at::Tensor> host;
+    for (size_t pi : params)
+        host.push_back(ctx.store.at(pi).live);
     return lane.upload_weights(host, job);
 }
 

@@ -14,6 +14,7 @@
 #include "engine/param_store.h"
 #include "engine/run_config.h"
 #include "engine/stage_planner.h"
+#include "engine/step_gate.h"
 #include "layers/layer.h"
 
 namespace rp {
@@ -38,6 +39,10 @@ struct CallContext {
     at::Device output_device = at::Device(at::kCPU);
     bool keep_outputs = false;
     CallState *state = nullptr;
+    // Memory-saving mode: a stage's weights go up only once `gate` holds step `gate_step` for
+    // every parameter of the stage.
+    const StepGate *gate = nullptr;
+    int64_t gate_step = 0;
 
     // Written by the jobs; read by the caller once every lane has finished.
     std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
@@ -48,7 +53,11 @@ struct CallContext {
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };
 
-// Starts uploading the weights of `stage` (on the lane's weight stream).
+// Whether the weights of `stage` may be uploaded now without waiting for the optimizer.
+bool stage_weights_ready(const CallContext &ctx, size_t stage);
+
+// Starts uploading the weights of `stage` (on the lane's weight stream), first waiting for the
+// optimizer where the call is gated.
 Transfer upload_stage_weights(const CallContext &ctx, size_t stage, DeviceLane &lane, size_t job);
 
 // Runs job `job` of `kind` for `stage` with weights from upload_stage_weights.

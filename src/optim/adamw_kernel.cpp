@@ -1,8 +1,11 @@
 #include "optim/adamw_kernel.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/Parallel.h>
+
+#include "optim/bf16_convert.h"
 
 namespace rp {
 namespace {
@@ -30,18 +33,57 @@ adamw_range(float *__restrict p, const float *__restrict g, float *__restrict m,
 
 } // namespace
 
-void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
-                  const AdamWHyper &h, int64_t step) {
+namespace {
+
+struct AdamWConstants {
+    float decay, one_minus_b1, b2, one_minus_b2, inv_bc2_sqrt, eps, step_size;
+};
+
+AdamWConstants constants(const AdamWHyper &h, int64_t step) {
     const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(step));
     const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(step));
-    const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-    const float step_size = static_cast<float>(h.lr / bc1);
-    const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+    return {static_cast<float>(1.0 - h.lr * h.weight_decay), static_cast<float>(1.0 - h.beta1),
+            static_cast<float>(h.beta2),                     static_cast<float>(1.0 - h.beta2),
+            static_cast<float>(1.0 / std::sqrt(bc2)),        static_cast<float>(h.eps),
+            static_cast<float>(h.lr / bc1)};
+}
+
+void adamw_block(float *p, const float *g, float *m, float *v, int64_t n,
+                 const AdamWConstants &c) {
+    adamw_range(p, g, m, v, n, c.decay, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt,
+                c.eps, c.step_size);
+}
+
+} // namespace
+
+void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
+                  const AdamWHyper &h, int64_t step) {
+    const AdamWConstants c = constants(h, step);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        adamw_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
-                    end - begin, decay, static_cast<float>(1.0 - h.beta1),
-                    static_cast<float>(h.beta2), static_cast<float>(1.0 - h.beta2), inv_bc2_sqrt,
-                    static_cast<float>(h.eps), step_size);
+        adamw_block(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
+                    end - begin, c);
+    });
+}
+
+void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_avg,
+                             uint16_t *exp_avg_sq, int64_t n, const AdamWHyper &h, int64_t step,
+                             uint64_t param_index) {
+    const AdamWConstants c = constants(h, step);
+    const uint32_t salt_m = rounding_salt(step, param_index, 0);
+    const uint32_t salt_v = rounding_salt(step, param_index, 1);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        float g[kBf16Block], m[kBf16Block], v[kBf16Block];
+        for (int64_t b = begin; b < end; b += kBf16Block) {
+            const int64_t len = std::min(kBf16Block, end - b);
+            const float *gb = grad.f32 ? grad.f32 + b : g;
+            if (!grad.f32)
+                widen_bf16(grad.bf16 + b, g, len);
+            widen_bf16(exp_avg + b, m, len);
+            widen_bf16(exp_avg_sq + b, v, len);
+            adamw_block(param + b, gb, m, v, len, c);
+            narrow_bf16_stochastic(m, exp_avg + b, len, b, salt_m);
+            narrow_bf16_stochastic(v, exp_avg_sq + b, len, b, salt_v);
+        }
     });
 }
 

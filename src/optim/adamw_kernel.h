@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "optim/bf16_convert.h"
+
 namespace rp {
 
 struct AdamWHyper {
@@ -12,5 +14,12 @@ struct AdamWHyper {
 // `step` is the 1-based number of this update (bias correction).
 void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
                   const AdamWHyper &h, int64_t step);
+
+// The same update with both moments stored in bf16 (stochastically rounded, see
+// bf16_convert.h) and the gradient in fp32 or bf16. `param_index` decorrelates the rounding of
+// different parameters.
+void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_avg,
+                             uint16_t *exp_avg_sq, int64_t n, const AdamWHyper &h, int64_t step,
+                             uint64_t param_index);
 
 } // namespace rp

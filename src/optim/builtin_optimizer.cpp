@@ -6,43 +6,84 @@
 namespace rp {
 namespace {
 
-std::vector<at::Tensor> zeros_like_all(const std::vector<at::Tensor> &params) {
+std::vector<at::Tensor> zeros_like_all(const std::vector<at::Tensor> &params, bool bf16) {
     std::vector<at::Tensor> out;
     for (const at::Tensor &p : params)
-        out.push_back(at::zeros_like(p));
+        out.push_back(at::zeros_like(p, bf16 ? at::kBFloat16 : at::kFloat));
     return out;
+}
+
+uint16_t *bf16_bits(const at::Tensor &t) {
+    return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
+}
+
+GradSpan grad_span(const at::Tensor &g) {
+    GradSpan span;
+    if (g.scalar_type() == at::kBFloat16)
+        span.bf16 = reinterpret_cast<const uint16_t *>(g.const_data_ptr<at::BFloat16>());
+    else
+        span.f32 = g.const_data_ptr<float>();
+    return span;
 }
 
 } // namespace
 
 void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
-                            const std::vector<at::Tensor> &grads,
-                            const OptimizerSettings &s) {
+                            const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
+                            const std::function<void(size_t)> &done) {
     ++steps_;
+    auto finished = [&](size_t i) {
+        if (done)
+            done(i);
+    };
     if (kind_ == OptimizerKind::AdamW) {
         if (first_moment_.empty()) {
-            first_moment_ = zeros_like_all(params);
-            second_moment_ = zeros_like_all(params);
+            first_moment_ = zeros_like_all(params, bf16_state_);
+            second_moment_ = zeros_like_all(params, bf16_state_);
         }
-        for (size_t i = 0; i < params.size(); ++i)
-            adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
-                         first_moment_[i].data_ptr<float>(), second_moment_[i].data_ptr<float>(),
-                         params[i].numel(), {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay},
-                         steps_);
+        const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
+        for (size_t i = 0; i < params.size(); ++i) {
+            if (bf16_state_)
+                adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
+                                        bf16_bits(first_moment_[i]),
+                                        bf16_bits(second_moment_[i]), params[i].numel(), h,
+                                        steps_, i);
+            else
+                adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
+                             first_moment_[i].data_ptr<float>(),
+                             second_moment_[i].data_ptr<float>(), params[i].numel(), h, steps_);
+            finished(i);
+        }
         return;
     }
     // SGD: like torch, the momentum buffer starts as the first gradient it sees, which may be
     // after momentum was switched on between steps.
     bool seed_buffer = false;
     if (s.momentum != 0.0 && first_moment_.empty()) {
-        first_moment_ = zeros_like_all(params);
+        first_moment_ = zeros_like_all(params, bf16_state_);
         seed_buffer = true;
     }
+    const SgdHyper h{s.lr, s.momentum, s.weight_decay};
     for (size_t i = 0; i < params.size(); ++i) {
-        float *buf = s.momentum != 0.0 ? first_moment_[i].data_ptr<float>() : nullptr;
-        sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(), buf,
-                   params[i].numel(), {s.lr, s.momentum, s.weight_decay}, seed_buffer);
+        const bool momentum = s.momentum != 0.0;
+        if (bf16_state_)
+            sgd_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
+                                  momentum ? bf16_bits(first_moment_[i]) : nullptr,
+                                  params[i].numel(), h, seed_buffer, steps_, i);
+        else
+            sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
+                       momentum ? first_moment_[i].data_ptr<float>() : nullptr,
+                       params[i].numel(), h, seed_buffer);
+        finished(i);
     }
+}
+
+int64_t BuiltinOptimizer::state_bytes() const {
+    int64_t bytes = 0;
+    for (const auto *state : {&first_moment_, &second_moment_})
+        for (const at::Tensor &t : *state)
+            bytes += static_cast<int64_t>(t.nbytes());
+    return bytes;
 }
 
 } // namespace rp

@@ -1,5 +1,6 @@
 // State and update rule of a built-in optimizer (AdamW or SGD) over fp32 master weights.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -18,16 +19,22 @@ struct OptimizerSettings {
 
 class BuiltinOptimizer {
   public:
-    explicit BuiltinOptimizer(OptimizerKind kind) : kind_(kind) {}
+    // `bf16_state`: moments (momentum) stored in bf16 with stochastic rounding (memory-saving
+    // mode); fp32 otherwise.
+    BuiltinOptimizer(OptimizerKind kind, bool bf16_state) : kind_(kind), bf16_state_(bf16_state) {}
     OptimizerKind kind() const { return kind_; }
 
-    // Updates `params` in place from `grads` (both fp32, contiguous, CPU). Runs on the optimizer
-    // thread; state is allocated at the first step.
+    // Updates `params` (fp32, contiguous, CPU) in place from `grads` (fp32, or bf16 with
+    // bf16 state), in order, calling `done(i)` (if set) as soon as parameter i is updated. Runs
+    // on the optimizer thread; state is allocated at the first step.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
-              const OptimizerSettings &settings);
+              const OptimizerSettings &settings, const std::function<void(size_t)> &done = {});
+    // Tensor bytes of the optimizer state (0 before the first step).
+    int64_t state_bytes() const;
 
   private:
     OptimizerKind kind_;
+    bool bf16_state_;
     int64_t steps_ = 0;
     std::vector<at::Tensor> first_moment_;  // AdamW exp_avg, SGD momentum buffer
     std::vector<at::Tensor> second_moment_; // AdamW exp_avg_sq

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "optim/bf16_convert.h"
+
 namespace rp {
 
 struct SgdHyper {
@@ -12,5 +14,11 @@ struct SgdHyper {
 // `momentum_buf` may be null when momentum is 0. `first_step` seeds the buffer.
 void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n,
                 const SgdHyper &h, bool first_step);
+
+// The same update with the momentum buffer in bf16 (stochastically rounded) and the gradient in
+// fp32 or bf16. `step` and `param_index` seed the rounding.
+void sgd_update_bf16_state(float *param, const GradSpan &grad, uint16_t *momentum_buf, int64_t n,
+                           const SgdHyper &h, bool first_step, int64_t step,
+                           uint64_t param_index);
 
 } // namespace rp

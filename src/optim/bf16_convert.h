@@ -1,0 +1,30 @@
+// bf16 storage for optimizer state and gradients in memory-saving mode. The update arithmetic
+// stays fp32: blocks are widened into scratch, updated by the fp32 kernels and narrowed back.
+#pragma once
+#include <cstdint>
+
+namespace rp {
+
+// A gradient array in fp32 or bf16 (bit patterns); exactly one pointer is set.
+struct GradSpan {
+    const float *f32 = nullptr;
+    const uint16_t *bf16 = nullptr;
+};
+
+// Elements per block of scratch: three fp32 blocks stay within a core's L1 cache.
+constexpr int64_t kBf16Block = 2048;
+
+void widen_bf16(const uint16_t *in, float *out, int64_t n);
+
+// Rounds to bf16 stochastically: up with probability equal to the dropped fraction, so the
+// rounding is unbiased. Round-to-nearest would lose updates smaller than half a bf16 ulp for
+// good (AdamW's second moment changes by 0.1% a step, bf16 resolves 0.4%), so the state would
+// stop decaying. The random bits are a hash of the element index and `salt`: deterministic,
+// independent of the thread split.
+void narrow_bf16_stochastic(const float *in, uint16_t *out, int64_t n, uint64_t first_index,
+                            uint32_t salt);
+
+// A salt for one (step, parameter, state array) triple.
+uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which);
+
+} // namespace rp
