@@ -2,6 +2,8 @@
 //   ours        rp::adamw_update (src/optim/adamw_kernel.cpp, compiled into this program)
 //   torch       torch::optim::AdamW (libtorch's C++ optimizer: one ATen op per pass)
 //   fused       at::_fused_adamw_ (PyTorch's fused CPU kernel, torch.optim.AdamW(fused=True))
+//   bf16        rp::adamw_update_bf16_state: the memory-saving mode's kernel (bf16 gradient and
+//               moments with stochastic rounding; 18 bytes of traffic per parameter)
 //   copy        a plain memcpy split over the same threads, for the achievable bytes/s
 // and prints one JSON line with times, parameters/s, bytes/s and ratios.
 //
@@ -34,14 +36,14 @@ struct Options {
     int64_t params = 250000000;
     int64_t tensors = 16;
     int reps = 5, warmup = 1, threads = 0;
-    std::vector<std::string> variants = {"ours", "fused", "torch", "copy"};
+    std::vector<std::string> variants = {"ours", "fused", "torch", "bf16", "copy"};
     std::string label;
 };
 
 [[noreturn]] void usage(const char *argv0, const std::string &why) {
     std::fprintf(stderr,
                  "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
-                 " [--threads N]\n  [--variants ours,fused,torch,copy (order of the runs)] [--label TEXT]\n",
+                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy (order of the runs)] [--label TEXT]\n",
                  why.c_str(), argv0);
     std::exit(2);
 }
@@ -65,7 +67,8 @@ Options parse(int argc, char **argv) {
                 std::stringstream ss(v);
                 std::string item;
                 while (std::getline(ss, item, ',')) {
-                    if (item != "ours" && item != "fused" && item != "torch" && item != "copy")
+                    if (item != "ours" && item != "fused" && item != "torch" && item != "copy" &&
+                        item != "bf16")
                         usage(argv[0], "unknown variant '" + item + "'");
                     o.variants.push_back(item);
                 }
@@ -160,7 +163,8 @@ int main(int argc, char **argv) {
     std::vector<at::Tensor> steps;
     for (size_t i = 0; i < P.size(); ++i)
         steps.push_back(at::zeros({}));
-    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN};
+    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN},
+        bf16{NAN, NAN};
     for (const std::string &variant : o.variants) {
         if (variant == "ours") {
             ours = time_it("ours (rp::adamw_update)", o.warmup, o.reps, [&] {
@@ -191,6 +195,28 @@ int main(int argc, char **argv) {
                                                 .weight_decay(kWd));
             torch_adamw = time_it("torch::optim::AdamW", std::max(1, o.warmup), o.reps,
                                   [&] { opt.step(); });
+        } else if (variant == "bf16") {
+            // Its own bf16 gradient and moments, so the fp32 variants' state is untouched.
+            std::vector<at::Tensor> G16, M16, V16;
+            for (const at::Tensor &g : G) {
+                G16.push_back(g.to(at::kBFloat16));
+                M16.push_back(at::zeros_like(g, at::kBFloat16));
+                V16.push_back(at::zeros_like(g, at::kBFloat16));
+            }
+            auto bits = [](at::Tensor &t) {
+                return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
+            };
+            int64_t step_bf16 = 0;
+            bf16 = time_it("bf16 state (rp::adamw_update_bf16_state)", o.warmup, o.reps, [&] {
+                ++step_bf16;
+                for (size_t i = 0; i < P.size(); ++i) {
+                    rp::GradSpan g;
+                    g.bf16 = bits(G16[i]);
+                    rp::adamw_update_bf16_state(P[i].data_ptr<float>(), g, bits(M16[i]),
+                                                bits(V16[i]), P[i].numel(),
+                                                {kLr, kBeta1, kBeta2, kEps, kWd}, step_bf16, i);
+                }
+            });
         } else if (variant == "copy") {
             // A plain copy of gradient-sized arrays, split over the same threads. It writes
             // into scratch arrays of its own, allocated and touched first.
@@ -231,12 +257,15 @@ int main(int argc, char **argv) {
         "\"copy_ms\":%.3f,\"copy_gbps\":%.3f,"
         "\"speedup_vs_fused\":%.4f,\"speedup_vs_torch_adamw\":%.4f,"
         "\"ours_fraction_of_copy_bw\":%.4f,\"fused_fraction_of_copy_bw\":%.4f,"
+        "\"bf16_state_ms\":%.3f,\"bf16_state_gparams_per_s\":%.3f,"
+        "\"bf16_state_speedup_vs_fused\":%.4f,"
         "\"max_abs_diff_vs_fused\":%.3g}\n",
         max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
         static_cast<long long>(o.tensors), threads, o.reps, ours.median_ms, ours.min_ms,
         gparams(ours), gbps(ours), fused.median_ms, fused.min_ms, gparams(fused), gbps(fused),
         torch_adamw.median_ms, gparams(torch_adamw), copy.median_ms, copy_gbps,
         fused.median_ms / ours.median_ms, torch_adamw.median_ms / ours.median_ms,
-        gbps(ours) / copy_gbps, gbps(fused) / copy_gbps, max_diff);
+        gbps(ours) / copy_gbps, gbps(fused) / copy_gbps, bf16.median_ms, gparams(bf16),
+        fused.median_ms / bf16.median_ms, max_diff);
     return max_diff <= 1e-5 ? 0 : 1;
 }

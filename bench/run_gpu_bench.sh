@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The benchmark run of issue 7, in one command for a lent GPU machine (one H200): builds the two
 # benchmark programs like scripts/gpu-check.sh does (same build folder, build-gpu), then runs
-#   1. qwen3-1.7b, batch 8 x 4096, bf16, 4 microbatches, GPU memory cap 10 GiB, with the plain
-#      libtorch baseline in the same process and the trace of one iteration;
-#   2. the CPU AdamW micro-benchmark on 2.5e8 fp32 parameters;
-#   3. qwen3-8b, batch 8 x 4096, bf16 (skipped, with the reason in its JSON line, while the
-#      engine's host state per parameter does not fit in host memory);
-#   4. qwen3-1.7b as in 1 with the engine's default GPU memory cap, no baseline;
-# stopping before a run when the time budget (BENCH_BUDGET_S, default 450 s from the start) is
+#   1. qwen3-8b, batch 8 x 4096, bf16, memory-saving host mode (12 bytes/parameter), no baseline;
+#   2. qwen3-1.7b, batch 8 x 4096, bf16, 8 microbatches, layer grain, GPU memory cap 10 GiB, with
+#      the plain libtorch baseline in the same process and the trace of one iteration;
+#   3. the same in memory-saving mode, without the baseline;
+#   4. the CPU AdamW micro-benchmark on 2.5e8 parameters (fp32 state, and the saving mode's
+#      bf16-state kernel);
+# stopping before a run when the time budget (BENCH_BUDGET_S, default 540 s from the start) is
 # spent. Each run is also bounded by its own timeout.
 #
 # Output in $OUT (default /tmp/rp-gpu-bench): results.jsonl (one JSON line per run, the format
@@ -17,14 +17,13 @@
 #
 #   OUT=/tmp/out BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/run_gpu_bench.sh
 # Knobs: BENCH_COMMIT (recorded in every line's label; default: git rev-parse when .git exists),
-#        BENCH_BUDGET_S (default 450), BENCH_STEPS (timed steps of the 1.7B runs, default 6),
-#        BENCH_8B_ARGS (extra train_bench flags for the 8B run, e.g. a memory-saving mode:
-#        "--optim-dtype bf16 --host-bytes-per-param 12").
+#        BENCH_BUDGET_S (default 540), BENCH_STEPS (timed steps of the 1.7B runs, default 6),
+#        BENCH_8B_ARGS (extra train_bench flags for the 8B run).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/rp-gpu-bench}
 build=$root/build-gpu
-budget=${BENCH_BUDGET_S:-450}
+budget=${BENCH_BUDGET_S:-540}
 steps=${BENCH_STEPS:-6}
 mkdir -p "$out"
 t0=$SECONDS
@@ -94,16 +93,25 @@ if d.get("bench") == "train":
           f"peak_gpu_GiB={gib(g('peak_gpu_bytes'))} baseline tokens/s={g('baseline_tokens_per_s')} "
           f"(peak {gib(g('baseline_peak_gpu_bytes'))} GiB, {g('baseline_status')}) "
           f"ratio={g('ratio_vs_baseline')} opt_hidden={g('opt_hidden_fraction')} "
-          f"host_B/param={g('host_bytes_per_param')} h2d GB/s busy={g('pcie_h2d_gbps_busy')}")
+          f"host_RSS_B/param={g('host_bytes_per_param')} state_B/param={g('host_state_bytes_per_param')} "
+          f"h2d GB/s busy={g('pcie_h2d_gbps_busy')}")
 elif d.get("bench") == "adamw":
     print(f"  -> adamw ours {g('ours_gparams_per_s')} Gparam/s, fused {g('fused_gparams_per_s')}, "
           f"torch {g('torch_adamw_gparams_per_s')}, speedup vs fused {g('speedup_vs_fused')}, "
-          f"{g('ours_fraction_of_copy_bw')} of memcpy bandwidth")
+          f"{g('ours_fraction_of_copy_bw')} of memcpy bandwidth; bf16 state {g('bf16_state_gparams_per_s')}")
 EOF
 }
 
 tb=$build/bench/train_bench
 common=(--batch 8 --seq 4096 --microbatches 4 --grain stage --dtype bf16 --devices cuda)
+
+# Qwen3-8B first (the run this host could not hold before the memory-saving mode): 12 bytes of
+# host state per parameter, weights page-locked in place (no power-of-two padding), no baseline
+# (its 131 GB of GPU state does not fit on one H200).
+run qwen3-8b-saving 330 "$tb" --shape qwen3-8b --batch 8 --seq 4096 --dtype bf16 --devices cuda \
+  --microbatches 8 --grain stage --host-memory saving --pin register \
+  --warmup 2 --steps 3 --fb-only-steps 1 --opt-steps 1 --baseline off \
+  --trace "$out/trace_qwen3-8b.json" --label "$label" ${BENCH_8B_ARGS:-}
 
 # Under the 10 GiB cap: 8 microbatches of 4096 tokens and layer-grain recompute keep the
 # activations of one layer at a time (BENCH_CAPPED_ARGS overrides).
@@ -117,15 +125,11 @@ if [ -s "$out/trace_qwen3-1.7b.json" ]; then
     say "trace summary: $(cat "$out/trace_qwen3-1.7b.summary.json")"
 fi
 
+run qwen3-1.7b-saving 180 "$tb" --shape qwen3-1.7b "${capped[@]}" --gpu-cap-gib 10 \
+  --host-memory saving --warmup 3 --steps "$steps" --fb-only-steps 2 --opt-steps 2 \
+  --baseline off --trace "$out/trace_qwen3-1.7b-saving.json" --label "$label cap=10GiB saving"
+
 run adamw 120 "$build/bench/adamw_bench" --params 2.5e8 --tensors 16 --reps 5 --label "$label"
-
-run qwen3-8b 240 "$tb" --shape qwen3-8b "${common[@]}" \
-  --warmup 2 --steps 3 --fb-only-steps 1 --opt-steps 1 --baseline on \
-  --trace "$out/trace_qwen3-8b.json" --label "$label" ${BENCH_8B_ARGS:-}
-
-run qwen3-1.7b-defaultcap 180 "$tb" --shape qwen3-1.7b "${common[@]}" \
-  --warmup 3 --steps "$steps" --fb-only-steps 1 --opt-steps 1 --baseline off \
-  --label "$label cap=default"
 
 say "done"
 echo "SUMMARY: $ran run(s), $failed with a non-zero exit, $skipped_budget not run (budget); results in $results; $(head -3 "$out/machine.txt" | tail -1)"

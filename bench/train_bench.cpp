@@ -142,6 +142,7 @@ struct Options {
     std::string plan = "auto"; // auto | comma-separated layers per stage
     double gpu_cap_gib = 0;
     std::string pin = "alloc";
+    std::string host_memory = "standard";
     double lr = 1e-4, weight_decay = 0.01;
     uint64_t seed = 1;
     bool host_check = true;
@@ -157,7 +158,8 @@ struct Options {
                  "  [--grain stage|layer] [--dtype bf16|f16|f32] [--optim-dtype f32|bf16]\n"
                  "  [--steps N] [--warmup N] [--fb-only-steps N] [--opt-steps N]\n"
                  "  [--devices cpu|cuda] [--num-devices N] [--plan auto|N,N,...]\n"
-                 "  [--gpu-cap-gib X] [--pin alloc|register|off] [--lr X] [--seed N]\n"
+                 "  [--gpu-cap-gib X] [--pin alloc|register|off] [--host-memory standard|saving]\n"
+                 "  [--lr X] [--seed N]\n"
                  "  [--baseline on|off] [--baseline-steps N] [--baseline-warmup N]\n"
                  "  [--baseline-microbatches N (default: --microbatches)]\n"
                  "  [--trace FILE] [--host-check on|off] [--host-bytes-per-param X]\n"
@@ -209,6 +211,7 @@ Options parse(int argc, char **argv) {
             else if (a == "--plan") o.plan = v;
             else if (a == "--gpu-cap-gib") o.gpu_cap_gib = std::stod(v);
             else if (a == "--pin") o.pin = v;
+            else if (a == "--host-memory") o.host_memory = v;
             else if (a == "--lr") o.lr = std::stod(v);
             else if (a == "--seed") o.seed = std::stoull(v);
             else if (a == "--host-check") o.host_check = on_off(argv[0], a, v);
@@ -227,6 +230,8 @@ Options parse(int argc, char **argv) {
         usage(argv[0], "--optim-dtype takes f32 or bf16");
     if (o.devices != "cpu" && o.devices != "cuda")
         usage(argv[0], "--devices takes cpu or cuda");
+    if (o.host_memory != "standard" && o.host_memory != "saving")
+        usage(argv[0], "--host-memory takes standard or saving");
     if (o.pin != "alloc" && o.pin != "register" && o.pin != "off")
         usage(argv[0], "--pin takes alloc, register or off");
     if (o.steps < 1 || o.warmup < 0 || o.fb_only_steps < 0 || o.opt_steps < 0)
@@ -995,6 +1000,9 @@ struct OptHandle {
 double engine_host_bytes_per_param(const Options &o) {
     if (o.host_bytes_per_param > 0)
         return o.host_bytes_per_param;
+    // The layouts of rp_host_memory_mode: master, weight copies, gradient buffers, AdamW state.
+    if (o.host_memory == "saving")
+        return 12.0;
     return 4.0 + 2.0 * dtype_bytes(o.dtype) + 8.0 + 8.0;
 }
 
@@ -1016,6 +1024,8 @@ void run_roundpipe(json &out, const Shape &s, const Options &o, int64_t batch, i
                                               o.num_devices));
         RP_CHECK(rp_model_options_set_seed(mo, o.seed));
         RP_CHECK(rp_model_options_set_name(mo, ("bench-" + s.name).c_str()));
+        RP_CHECK(rp_model_options_set_host_memory_mode(
+            mo, o.host_memory == "saving" ? RP_HOST_MEMORY_SAVING : RP_HOST_MEMORY_STANDARD));
         RP_CHECK(rp_model_options_set_pin_mode(mo, o.pin == "alloc"      ? RP_PIN_ALLOC
                                                    : o.pin == "register" ? RP_PIN_REGISTER
                                                                          : RP_PIN_OFF));
@@ -1158,6 +1168,10 @@ void run_roundpipe(json &out, const Shape &s, const Options &o, int64_t batch, i
     out["peak_gpu_steady_bytes"] = on_gpu ? json(peak_steady) : json(nullptr);
     out["peak_host_rss_bytes"] = peak_rss;
     out["host_bytes_per_param"] = round_to(double(peak_rss) / double(total_params(s)), 3);
+    int64_t state_bytes = 0, state_elements = 0;
+    RP_CHECK(rp_model_host_state_bytes(&state_bytes, &state_elements, model.m));
+    out["host_state_bytes"] = state_bytes;
+    out["host_state_bytes_per_param"] = round_to(double(state_bytes) / double(state_elements), 3);
 
     // PCIe.
     Trace trace = parse_trace(trace_json_text);
@@ -1263,6 +1277,7 @@ int main(int argc, char **argv) {
     out["plan"] = o.plan;
     out["gpu_cap_gib"] = o.gpu_cap_gib;
     out["pin"] = o.pin;
+    out["host_memory"] = o.host_memory;
     out["steps"] = o.steps;
     out["warmup"] = o.warmup;
     out["host_threads"] = at::get_num_threads();

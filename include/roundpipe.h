@@ -413,10 +413,9 @@ RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *mod
  * read, gradient buffers and built-in optimizer state (allocated at the first built-in step),
  * counted as tensor bytes (allocator padding excluded), and the number of parameter elements
  * (tied parameters once), so out_bytes / out_elements is bytes per parameter.
- * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). Thread: the thread driving this
- * model. */
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). Any thread. */
 RP_API rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
-                                           rp_model *model);
+                                           const rp_model *model);
 
 /**
  * Timing record of the model's last rp_forward / rp_forward_backward, as Chrome trace JSON
@@ -659,10 +658,12 @@ RP_API rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t c
 RP_API rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t index);
 
 /**
- * Zero-copy view of the fp32 gradient of parameter `index`: inside a step callback, the
- * gradient of that step; elsewhere, the gradient accumulated since the last step (read it
- * after rp_synchronize). A view taken outside a callback refers to that buffer only until the
- * next rp_step; take a fresh one afterwards. Caller owns the struct and calls its deleter.
+ * Zero-copy view of the gradient of parameter `index` (fp32; bf16 for bf16/fp16 models in
+ * RP_HOST_MEMORY_SAVING): inside a step callback, the gradient of that step; elsewhere, the
+ * gradient accumulated since the last step (read it after rp_synchronize). A view taken outside
+ * a callback refers to that buffer only until the next rp_step; take a fresh one afterwards. In
+ * memory-saving mode the buffer is the same one before and after a step, and the step zeroes it.
+ * Caller owns the struct and calls its deleter.
  */
 RP_API rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t index);
 

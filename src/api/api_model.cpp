@@ -194,7 +194,7 @@ rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model) {
 }
 
 rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
-                                    rp_model *model) {
+                                    const rp_model *model) {
     return guard([&] {
         require_arg(out_bytes && out_elements, "out_bytes or out_elements is NULL");
         *out_bytes = model_of(model).host_state_bytes(out_elements);

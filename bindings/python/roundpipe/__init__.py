@@ -31,7 +31,7 @@ from ._callbacks import set_log_callback
 from ._capi import ABI_VERSION, candidate_paths, library_path, load_library
 from .config import REPLICATE, RoundPipeRunConfig
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
-from .model import BuiltinLoss, RoundPipe, RoundPipePackedData, spec_json
+from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
 from .wrap import wrap_model_to_roundpipe
 
 __version__ = "0.1.0"
@@ -60,4 +60,5 @@ __all__ = [
     "LibraryNotFoundError", "Status", "BuiltinLoss", "RoundPipePackedData", "REPLICATE",
     "wrap_model_to_roundpipe", "optim", "set_log_callback", "load_library", "library_path",
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
+    "HostStateBytes",
 ]

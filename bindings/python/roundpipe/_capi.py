@@ -115,6 +115,7 @@ class rp_optimizer_p(c_void_p):
 RP_LOG_DEBUG, RP_LOG_INFO, RP_LOG_WARN, RP_LOG_ERROR = 0, 1, 2, 3
 RP_DTYPE_DEFAULT, RP_DTYPE_F32, RP_DTYPE_BF16, RP_DTYPE_F16 = 0, 1, 2, 3
 RP_PIN_ALLOC, RP_PIN_REGISTER, RP_PIN_OFF = 0, 1, 2
+RP_HOST_MEMORY_STANDARD, RP_HOST_MEMORY_SAVING = 0, 1
 RP_DEVICE_AUTO, RP_DEVICE_CPU, RP_DEVICE_CUDA = 0, 1, 2
 RP_GRAIN_DEFAULT, RP_GRAIN_STAGE, RP_GRAIN_LAYER = 0, 1, 2
 RP_SPLIT_REPLICATE = -1
@@ -235,6 +236,8 @@ def _declare(cdll):
        [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_optim_dtype(rp_model_options *options, int32_t dtype);
     fn("rp_model_options_set_pin_mode", st,
        [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_pin_mode(rp_model_options *options, int32_t pin_mode);
+    fn("rp_model_options_set_host_memory_mode", st,
+       [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_host_memory_mode(rp_model_options *options, int32_t mode);
     fn("rp_model_options_set_run_config", st,
        [rp_model_options_p, rp_run_config_p])                        # rp_status rp_model_options_set_run_config(rp_model_options *options, const rp_run_config *config);
     fn("rp_model_options_set_grad_scaler", st,
@@ -258,6 +261,8 @@ def _declare(cdll):
     fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
     fn("rp_model_grad_scale", st, [P(c_double), P(c_int64), rp_model_p])  # rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
+    fn("rp_model_host_state_bytes", st,
+       [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);
     fn("rp_model_trace_json", st, [P(c_char_p), rp_model_p])         # rp_status rp_model_trace_json(const char **out_json, rp_model *model);
     fn("rp_cuda_memory_stats", st, [P(c_int64), P(c_int64), c_int32])  # rp_status rp_cuda_memory_stats(int64_t *out_allocated_bytes, int64_t *out_peak_bytes, int32_t device);
     fn("rp_cuda_reset_peak_memory", st, [c_int32])                    # rp_status rp_cuda_reset_peak_memory(int32_t device);

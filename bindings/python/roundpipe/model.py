@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from ctypes import byref, c_char_p, c_double, c_int32, c_int64, c_size_t, c_void_p
 
 import torch
@@ -32,6 +32,8 @@ _DTYPES = {
 }
 _PIN_MODES = {"alloc": _capi.RP_PIN_ALLOC, "register": _capi.RP_PIN_REGISTER,
               "off": _capi.RP_PIN_OFF}
+_HOST_MEMORY_MODES = {"standard": _capi.RP_HOST_MEMORY_STANDARD,
+                      "saving": _capi.RP_HOST_MEMORY_SAVING}
 _DEVICE_KINDS = {"auto": _capi.RP_DEVICE_AUTO, "cpu": _capi.RP_DEVICE_CPU,
                  "cuda": _capi.RP_DEVICE_CUDA}
 _LOSSES = {"output": _capi.RP_LOSS_OUTPUT, "mse": _capi.RP_LOSS_MSE,
@@ -57,6 +59,22 @@ class BuiltinLoss:
 
     def __repr__(self):
         return "BuiltinLoss(%r, scale=%g)" % (self.kind, self.scale)
+
+
+class HostStateBytes(namedtuple("HostStateBytes", ["bytes", "elements", "bytes_per_param"])):
+    """What :meth:`RoundPipe.host_state_bytes` returns: ``bytes`` of host memory held by the
+    model's parameter state (tensor bytes), ``elements`` the number of parameter elements (tied
+    parameters once) and ``bytes_per_param`` their ratio (0.0 for a model without
+    parameters)."""
+
+    __slots__ = ()
+
+
+def _parse_host_memory(host_memory):
+    """The rp_host_memory_mode of a ``host_memory=`` argument; ValueError for anything else."""
+    if not isinstance(host_memory, str) or host_memory not in _HOST_MEMORY_MODES:
+        raise ValueError('host_memory must be "standard" or "saving", got %r' % (host_memory,))
+    return _HOST_MEMORY_MODES[host_memory]
 
 
 class RoundPipePackedData(list):
@@ -112,7 +130,10 @@ def _as_input(x, where):
 class _Params:
     """The optimizer-facing parameters of one model: torch Parameters over the engine's master
     weights, whose .grad is wired to the engine's gradients (inside a step function: that
-    step's gradients; after synchronize(): the accumulated ones)."""
+    step's gradients; after synchronize(): the accumulated ones). When the engine's gradient
+    buffer has another dtype than the master weight (bf16 gradients of a bf16 / fp16 model with
+    host_memory="saving"), .grad is a copy in the master's dtype, since torch.optim requires
+    a gradient of its parameter's dtype."""
 
     def __init__(self, model_ptr):
         self.model_ptr = model_ptr
@@ -202,11 +223,26 @@ class RoundPipe:
         gpu_memory_cap: bytes of GPU memory the model may use per GPU (default: 80% of free).
         grad_scaler: dynamic loss scaling as ``(initial_scale, growth_interval)``, ``False`` to
             turn it off (default: on for float16 models, off otherwise).
+        host_memory: host memory layout of the per-parameter state (``rp_host_memory_mode``):
+            ``"standard"`` (default): 24 bytes per parameter for bf16 / fp16 models, 28 for
+            fp32 ones (fp32 master, fp32 AdamW moments, two fp32 gradient buffers, two
+            model-dtype weight copies), so an asynchronous step overlaps the whole next call
+            and its weights are one step stale. ``"saving"``: 12 bytes per parameter (fp32
+            master, built-in AdamW moments / SGD momentum in bf16 with stochastic rounding, one
+            gradient buffer: bf16, fp32 for fp32 models, and one model-dtype weight copy, none
+            for fp32 models); steps still overlap the next call, layer by layer, and weights
+            are never stale. The memory saving is the built-in optimizers'
+            (``step(roundpipe.optim.AdamW(...))``): a Python ``step_fn`` with a torch.optim
+            optimizer sees fp32 copies of bf16 gradients (torch.optim needs gradients of the
+            parameters' dtype), made for the step, and keeps its own fp32 state.
+            :meth:`host_state_bytes` reports what the model holds. Any other value raises
+            ValueError before anything is built.
     """
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None,
                  pin_model="alloc", *, model_dtype=None, devices=None, seed=None,
-                 stage_plan=None, gpu_memory_cap=None, grad_scaler=None):
+                 stage_plan=None, gpu_memory_cap=None, grad_scaler=None,
+                 host_memory="standard"):
         self._handle = None  # first: close() and __del__ must work if __init__ fails
         self._params = None
         if name is None:
@@ -218,6 +254,7 @@ class RoundPipe:
         if pin_model not in _PIN_MODES:
             raise RoundPipeError(Status.INVALID_ARGUMENT, 'pin_model must be "alloc", '
                                  '"register" or "off", got %r' % (pin_model,))
+        host_memory_mode = _parse_host_memory(host_memory)
         source = resolve_model(model)
         if model_dtype is None:
             model_dtype = source.dtype
@@ -237,6 +274,7 @@ class RoundPipe:
             if optim_dtype is not None:
                 L.rp_model_options_set_optim_dtype(options, _DTYPES[optim_dtype])
             L.rp_model_options_set_pin_mode(options, _PIN_MODES[pin_model])
+            L.rp_model_options_set_host_memory_mode(options, host_memory_mode)
             if seed is not None:
                 L.rp_model_options_set_seed(options, int(seed))
             L.rp_model_options_set_name(options, str(name).encode())
@@ -272,6 +310,7 @@ class RoundPipe:
         self._handle = handle
         self._name = str(name)
         self._run_config = model_run_config
+        self._host_memory = host_memory
         self._params = _Params(handle.value)
         count = c_int32()
         L.rp_model_num_devices(byref(count), handle)
@@ -416,6 +455,26 @@ class RoundPipe:
     def gpu_memory_cap(self):
         """GPU memory cap in bytes (0 on CPU devices)."""
         return self._count(lib().rp_model_gpu_memory_cap, c_int64)
+
+    @property
+    def host_memory(self):
+        """The host memory mode the model was built with: "standard" or "saving"."""
+        return self._host_memory
+
+    def host_state_bytes(self):
+        """Host memory held by the model's parameter state (``rp_model_host_state_bytes``), as
+        a :class:`HostStateBytes` ``(bytes, elements, bytes_per_param)``: master weights,
+        weight copies the devices read, gradient buffers and built-in optimizer state (which
+        exists from the first built-in step on), counted as tensor bytes without allocator
+        padding, over the number of parameter elements (tied parameters once). After a
+        built-in AdamW step a bf16 model holds 24 bytes per parameter in standard mode and 12
+        in saving mode (28 and 12 for fp32 models). State of a Python optimizer and the
+        binding's gradient copies are not counted."""
+        out_bytes, out_elements = c_int64(), c_int64()
+        lib().rp_model_host_state_bytes(byref(out_bytes), byref(out_elements), self.handle)
+        n_bytes, n_elements = out_bytes.value, out_elements.value
+        return HostStateBytes(n_bytes, n_elements,
+                              n_bytes / n_elements if n_elements else 0.0)
 
     def trace(self):
         """Timing record of the last call, as a Chrome trace dict (``rp_model_trace_json``)."""
@@ -718,7 +777,9 @@ class RoundPipe:
         engine's master weights (fp32 unless optim_dtype says otherwise). Inside a step
         function their .grad is that step's gradient; after synchronize() it is the gradient
         accumulated since the last step. Read or write them only inside a step function or
-        after synchronize(). Names are "<layer>.<name>" ("0.weight")."""
+        after synchronize(). Names are "<layer>.<name>" ("0.weight"). A gradient whose engine
+        dtype differs from the parameter's (bf16 gradients with ``host_memory="saving"``) is
+        given as a copy in the parameter's dtype: a view otherwise."""
         self.handle  # raises when closed
         for name, p in self._params.build():
             yield (prefix + "." + name if prefix else name), p
@@ -750,7 +811,10 @@ class RoundPipe:
         update runs in C++), or a Python callable ``step_fn(*args, **kwargs)`` run on the
         optimizer thread with optim_parameters()' .grad set to this step's gradients, e.g.
         ``lambda: (opt.step(), opt.zero_grad())`` for a torch.optim optimizer over
-        optim_parameters(); it must update the parameters in place.
+        optim_parameters(); it must update the parameters in place. With
+        ``host_memory="saving"`` the gradients of a bf16 / fp16 model are bf16 in the engine
+        and .grad is an fp32 copy of them (writes to it do not reach the engine); a built-in
+        optimizer is the memory-saving path there (bf16 moments, no copies).
 
         Async (default): returns at once; the next forward_backward runs on the weights from
         before this step (staleness one). An exception raised by an async step_fn is re-raised

@@ -6,12 +6,13 @@ from .config import RoundPipeRunConfig
 from .convert import SUPPORTED_INPUTS, convert_module
 from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
-from .model import RoundPipe, _call_site_name
+from .model import RoundPipe, _call_site_name, _parse_host_memory
 
 
 def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024,
                             upper_threshold=None, skip_modules=(), override_config=None,
-                            model_run_config=None, name=None, **roundpipe_kwargs):
+                            model_run_config=None, name=None, host_memory="standard",
+                            **roundpipe_kwargs):
     """Wrap `model` into a RoundPipe.
 
     Supported:
@@ -30,8 +31,12 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
     accepted and ignored, non-empty `skip_modules` / `override_config` are refused, and so is
     ``use_sequential_preset=False`` for a Hugging Face model.
 
-    Extra keyword arguments go to :class:`RoundPipe` (e.g. ``devices=("cpu", 2)``).
+    `host_memory` is :class:`RoundPipe`'s: ``"standard"`` (default) or ``"saving"`` (12 bytes
+    of host state per parameter; see RoundPipe); any other value raises ValueError before
+    anything is built. Extra keyword arguments go to :class:`RoundPipe` (e.g.
+    ``devices=("cpu", 2)``).
     """
+    _parse_host_memory(host_memory)  # fail before converting anything
     if name is None:
         name = _call_site_name()
     if skip_modules or override_config:
@@ -55,6 +60,6 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
         convert_module(model)  # raises, listing what is supported, before anything is built
     wrapped = RoundPipe(model, name=name,
                         model_run_config=model_run_config or RoundPipeRunConfig(),
-                        **roundpipe_kwargs)
+                        host_memory=host_memory, **roundpipe_kwargs)
     wrapped.set_original_model(model)
     return wrapped

@@ -157,6 +157,10 @@ const RP_PIN_ALLOC = 0
 const RP_PIN_REGISTER = 1
 const RP_PIN_OFF = 2
 
+const rp_host_memory_mode = Cint
+const RP_HOST_MEMORY_STANDARD = 0
+const RP_HOST_MEMORY_SAVING = 1
+
 const rp_device_kind = Cint
 const RP_DEVICE_AUTO = 0
 const RP_DEVICE_CPU = 1
@@ -321,6 +325,12 @@ rp_model_options_set_pin_mode(options, pin_mode) =
           (Ptr{rp_model_options}, Int32),
           options, pin_mode)
 
+# rp_status rp_model_options_set_host_memory_mode(rp_model_options *options, int32_t mode);
+rp_model_options_set_host_memory_mode(options, mode) =
+    ccall((:rp_model_options_set_host_memory_mode, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Int32),
+          options, mode)
+
 # rp_status rp_model_options_set_run_config(rp_model_options *options, const rp_run_config *config);
 rp_model_options_set_run_config(options, config) =
     ccall((:rp_model_options_set_run_config, libroundpipe()), rp_status,
@@ -407,6 +417,12 @@ rp_model_gpu_memory_cap(out_bytes, model) =
     ccall((:rp_model_gpu_memory_cap, libroundpipe()), rp_status,
           (Ptr{Int64}, Ptr{rp_model}),
           out_bytes, model)
+
+# rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);
+rp_model_host_state_bytes(out_bytes, out_elements, model) =
+    ccall((:rp_model_host_state_bytes, libroundpipe()), rp_status,
+          (Ptr{Int64}, Ptr{Int64}, Ptr{rp_model}),
+          out_bytes, out_elements, model)
 
 # rp_status rp_model_trace_json(const char **out_json, rp_model *model);
 rp_model_trace_json(out_json, model) =

@@ -34,7 +34,7 @@ const L = LibRoundPipe
 
 export Model, RunConfig, Loss, Optimizer, RoundPipeError, StepContext
 export forward, forward_backward, step!, synchronize!, zero_grad!
-export num_layers, num_stages, num_devices, step_count
+export num_layers, num_stages, num_devices, step_count, host_state_bytes
 export param_count, param_name, param_names, param_find, param_shape
 export param_master, param_grad, with_param_master, with_param_grad
 export save, load!, set_log_callback, reset_log_callback
@@ -132,11 +132,16 @@ function _dltype(::Type{T}) where {T}
     return L.DLDataType(UInt8(code), UInt8(bits), UInt16(1))
 end
 
+_isbf16(dt::L.DLDataType) = dt.code == L.kDLBfloat && dt.bits == 16 && dt.lanes == 1
+
 function _jltype(dt::L.DLDataType)
     dt.lanes == 1 || _invalid("vector DLPack types are not supported")
     for (T, (code, bits)) in _DTYPES
         (code == dt.code && bits == dt.bits) && return T
     end
+    _isbf16(dt) && _invalid("a bfloat16 tensor (the gradients of a bf16 / f16 model built " *
+                            "with host_memory=:saving) has no Julia array type here; " *
+                            "param_grad gives a Float32 copy")
     _invalid("DLPack type (code $(dt.code), $(dt.bits) bits) has no Julia equivalent")
 end
 
@@ -180,10 +185,18 @@ end
 _jldims(t::L.DLTensor) =
     t.ndim == 0 ? () : Tuple(reverse(Int.(unsafe_wrap(Array, t.shape, Int(t.ndim)))))
 
-"A Julia copy of a DLPack tensor; `delete` calls its deleter afterwards."
+"A Julia copy of a DLPack tensor (bfloat16 widened to Float32); `delete` calls its deleter
+afterwards."
 function _to_array(p::Ptr{L.DLManagedTensor}; delete::Bool=true)
     try
         t = unsafe_load(p).dl_tensor
+        if _isbf16(t.dtype)  # bfloat16 is the top half of a Float32
+            _check_host_compact(t)
+            raw = Array{UInt16}(undef, _jldims(t)...)
+            n = length(raw)
+            n > 0 && unsafe_copyto!(pointer(raw), Ptr{UInt16}(t.data + t.byte_offset), n)
+            return map(b -> reinterpret(Float32, UInt32(b) << 16), raw)
+        end
         T = _jltype(t.dtype)
         _check_host_compact(t)
         out = Array{T}(undef, _jldims(t)...)
@@ -443,12 +456,19 @@ const _LOSS_TRAMPOLINE = Ref{Ptr{Cvoid}}(C_NULL)
 """
     Model(spec_json; seed=0, devices=:auto, num_devices=0, num_microbatch=nothing,
           run_config=nothing, model_dtype=nothing, optim_dtype=nothing, pin=nothing,
-          name=nothing, stage_plan=nothing)
+          name=nothing, stage_plan=nothing, host_memory=nothing)
 
 Build a model from a JSON spec (`{"layers": [...]}`, see docs/semantics.md). `devices` is
 `:auto`, `:cpu` or `:cuda`; `num_microbatch` is a shortcut for a model-level `RunConfig`;
 `model_dtype` / `optim_dtype` are `:f32`, `:bf16` or `:f16`; `pin` is `:alloc`, `:register`
 or `:off`.
+
+`host_memory` is `:standard` (the default: 24 bytes of host state per parameter for bf16 /
+f16 models, 28 for f32 ones; asynchronous steps are one step stale) or `:saving` (12 bytes:
+AdamW moments in bf16 with stochastic rounding, one gradient buffer, one weight copy; weights
+are never stale); see `rp_host_memory_mode` in the header and `host_state_bytes`. In saving
+mode the gradients of a bf16 / f16 model are bfloat16: `param_grad` widens them to Float32,
+`with_param_grad` cannot view them.
 """
 mutable struct Model
     ptr::Ptr{L.rp_model}
@@ -457,7 +477,7 @@ mutable struct Model
     function Model(spec::AbstractString; seed::Integer=0, devices::Symbol=:auto,
                    num_devices::Integer=0, num_microbatch=nothing, run_config=nothing,
                    model_dtype=nothing, optim_dtype=nothing, pin=nothing, name=nothing,
-                   stage_plan=nothing)
+                   stage_plan=nothing, host_memory=nothing)
         _ensure_abi()
         o = Ref{Ptr{L.rp_model_options}}(C_NULL)
         @check L.rp_model_options_create(o)
@@ -487,6 +507,12 @@ mutable struct Model
                 mode = pin === :alloc ? L.RP_PIN_ALLOC : pin === :register ? L.RP_PIN_REGISTER :
                        pin === :off ? L.RP_PIN_OFF : _invalid("pin must be :alloc, :register or :off")
                 @check L.rp_model_options_set_pin_mode(opts, Int32(mode))
+            end
+            if host_memory !== nothing
+                hm = host_memory === :standard ? L.RP_HOST_MEMORY_STANDARD :
+                     host_memory === :saving ? L.RP_HOST_MEMORY_SAVING :
+                     _invalid("host_memory must be :standard or :saving, got $(repr(host_memory))")
+                @check L.rp_model_options_set_host_memory_mode(opts, Int32(hm))
             end
             name === nothing || @check L.rp_model_options_set_name(opts, String(name))
             if stage_plan !== nothing
@@ -525,6 +551,22 @@ for (fname, cfn, T) in ((:num_layers, :rp_model_num_layers, Int32),
         @check L.$cfn(n, _mp(m))
         return Int(n[])
     end
+end
+
+"""
+    host_state_bytes(model) -> (bytes=..., elements=..., bytes_per_param=...)
+
+Host memory held by the model's parameter state (master weights, weight copies the devices
+read, gradient buffers, built-in optimizer state once a built-in step has run), in tensor
+bytes, and the number of parameter elements (tied parameters once). After a built-in AdamW
+step a bf16 model holds 24 bytes per parameter with `host_memory=:standard` and 12 with
+`:saving` (28 and 12 for f32 models).
+"""
+function host_state_bytes(m::Model)
+    b, n = Ref{Int64}(0), Ref{Int64}(0)
+    @check L.rp_model_host_state_bytes(b, n, _mp(m))
+    return (bytes=Int(b[]), elements=Int(n[]),
+            bytes_per_param=n[] == 0 ? 0.0 : b[] / n[])
 end
 
 _input_list(inputs) = [_dense(a) for a in inputs]
@@ -750,7 +792,7 @@ end
 param_master(m::Union{Model,StepContext}, i::Integer) = _to_array(_param_ptr(m, i, false))
 
 "A copy of the gradient of parameter `i` (accumulated since the last step; in a step callback,
-that step's gradient)."
+that step's gradient). Float32; the bfloat16 gradients of `host_memory=:saving` are widened."
 param_grad(m::Union{Model,StepContext}, i::Integer) = _to_array(_param_ptr(m, i, true))
 
 """

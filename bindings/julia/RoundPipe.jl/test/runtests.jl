@@ -234,6 +234,40 @@ end
     end
 end
 
+@testset "host memory modes: bytes per parameter, bf16 gradients in saving mode" begin
+    # The header's rp_host_memory_mode: after a built-in AdamW step, standard holds 24 bytes
+    # per parameter for bf16 models and 28 for f32 ones, saving 12 for both.
+    X, Y = Example.make_data()
+    for (mode, dtype, want) in ((:standard, :bf16, 24), (:standard, :f32, 28),
+                                (:saving, :bf16, 12), (:saving, :f32, 12))
+        Model(Example.SPEC; seed=42, devices=:cpu, num_devices=2, num_microbatch=3,
+              model_dtype=dtype, host_memory=mode) do m
+            loss = Loss(:mse; scale=1 / 3)
+            opt = Optimizer(:adamw; lr=1e-2)
+            losses = Float64[]
+            for _ in 1:(mode === :saving && dtype === :bf16 ? 20 : 1)
+                push!(losses, forward_backward(m, X; labels=Y, loss=loss))
+                step!(m, opt)
+            end
+            synchronize!(m)
+            @test all(isfinite, losses)
+            length(losses) > 1 && @test minimum(losses[end-4:end]) < 0.5 * losses[1]
+            n = sum(prod(param_shape(m, i)) for i in 1:param_count(m))
+            h = host_state_bytes(m)
+            @test h.elements == n
+            @test h.bytes == want * n
+            @test h.bytes_per_param == want
+            # Saving mode keeps bf16 gradients for a bf16 model: param_grad widens them.
+            forward_backward(m, X; labels=Y, loss=loss)
+            synchronize!(m)
+            g = param_grad(m, 1)
+            @test eltype(g) == Float32 && any(!iszero, g)
+            close(loss); close(opt)
+        end
+    end
+    @test_throws RoundPipeError Model(Example.SPEC; devices=:cpu, host_memory=:low)
+end
+
 @testset "close is idempotent and closed handles are refused" begin
     m = Model("""{"layers":[{"type":"linear","in":4,"out":2}]}"""; devices=:cpu)
     close(m)

@@ -138,6 +138,10 @@ pub const RP_PIN_ALLOC: rp_pin_mode = 0;
 pub const RP_PIN_REGISTER: rp_pin_mode = 1;
 pub const RP_PIN_OFF: rp_pin_mode = 2;
 
+pub type rp_host_memory_mode = c_int;
+pub const RP_HOST_MEMORY_STANDARD: rp_host_memory_mode = 0;
+pub const RP_HOST_MEMORY_SAVING: rp_host_memory_mode = 1;
+
 pub type rp_device_kind = c_int;
 pub const RP_DEVICE_AUTO: rp_device_kind = 0;
 pub const RP_DEVICE_CPU: rp_device_kind = 1;
@@ -276,6 +280,10 @@ extern "C" {
         options: *mut rp_model_options,
         pin_mode: i32,
     ) -> rp_status;
+    pub fn rp_model_options_set_host_memory_mode(
+        options: *mut rp_model_options,
+        mode: i32,
+    ) -> rp_status;
     pub fn rp_model_options_set_run_config(
         options: *mut rp_model_options,
         config: *const rp_run_config,
@@ -320,6 +328,11 @@ extern "C" {
         model: *const rp_model,
     ) -> rp_status;
     pub fn rp_model_gpu_memory_cap(out_bytes: *mut i64, model: *const rp_model) -> rp_status;
+    pub fn rp_model_host_state_bytes(
+        out_bytes: *mut i64,
+        out_elements: *mut i64,
+        model: *const rp_model,
+    ) -> rp_status;
     pub fn rp_model_trace_json(out_json: *mut *const c_char, model: *mut rp_model) -> rp_status;
     pub fn rp_cuda_memory_stats(
         out_allocated_bytes: *mut i64,

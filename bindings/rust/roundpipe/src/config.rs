@@ -57,6 +57,32 @@ pub enum PinMode {
     Off,
 }
 
+/// Host memory layout of parameters, gradients and optimizer state (`rp_host_memory_mode`).
+/// Bytes per parameter for bf16 / f16 models (f32 models in parentheses), built-in optimizer
+/// state included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HostMemoryMode {
+    /// 24 (28) bytes: f32 master, f32 AdamW moments, two f32 gradient buffers and two
+    /// model-dtype weight copies; an asynchronous step overlaps the whole next call and its
+    /// weights are one step stale. The default.
+    #[default]
+    Standard,
+    /// 12 (12) bytes: f32 master, AdamW moments (SGD momentum) in bf16 with stochastic
+    /// rounding, one gradient buffer (bf16; f32 for f32 models) and one model-dtype weight copy
+    /// (none for f32 models). Steps still overlap the next call, stage by stage, and weights
+    /// are never stale. Gradients seen by a step closure are bf16 for bf16 / f16 models.
+    Saving,
+}
+
+impl HostMemoryMode {
+    fn code(self) -> i32 {
+        match self {
+            HostMemoryMode::Standard => sys::RP_HOST_MEMORY_STANDARD,
+            HostMemoryMode::Saving => sys::RP_HOST_MEMORY_SAVING,
+        }
+    }
+}
+
 /// Granularity of activation recomputation in backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecomputeGrain {
@@ -223,6 +249,14 @@ impl ModelOptions {
             PinMode::Off => sys::RP_PIN_OFF,
         };
         check(unsafe { sys::rp_model_options_set_pin_mode(self.ptr.as_ptr(), code) })?;
+        Ok(self)
+    }
+
+    /// Host memory layout of the per-parameter state (default [`HostMemoryMode::Standard`]).
+    pub fn set_host_memory_mode(&mut self, mode: HostMemoryMode) -> Result<&mut Self> {
+        check(unsafe {
+            sys::rp_model_options_set_host_memory_mode(self.ptr.as_ptr(), mode.code())
+        })?;
         Ok(self)
     }
 

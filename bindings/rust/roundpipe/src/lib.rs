@@ -51,11 +51,13 @@ use std::sync::Mutex;
 
 pub use roundpipe_sys as sys;
 
-pub use config::{DeviceKind, FloatType, ModelOptions, PinMode, RecomputeGrain, RunConfig, Split};
+pub use config::{
+    DeviceKind, FloatType, HostMemoryMode, ModelOptions, PinMode, RecomputeGrain, RunConfig, Split,
+};
 pub use error::{Error, Result, Status};
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use loss::{Loss, LossFn, LossInput, LossKind};
-pub use model::{Model, StepContext};
+pub use model::{HostStateBytes, Model, StepContext};
 pub use optim::{Optimizer, OptimizerKind};
 pub use tensor::{AsDlpack, DType, Device, DlTensor, Element, Tensor, TensorView};
 

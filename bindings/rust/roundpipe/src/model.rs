@@ -48,6 +48,27 @@ fn c_path(path: &Path) -> Result<CString> {
     CString::new(s).map_err(|_| Error::invalid("path contains a NUL byte"))
 }
 
+/// Host memory held by a model's parameter state, from [`Model::host_state_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostStateBytes {
+    /// Tensor bytes of master weights, device weight copies, gradient buffers and built-in
+    /// optimizer state (allocator padding excluded).
+    pub bytes: i64,
+    /// Number of parameter elements (tied parameters once).
+    pub elements: i64,
+}
+
+impl HostStateBytes {
+    /// `bytes / elements` (0 for a model without parameters).
+    pub fn bytes_per_param(&self) -> f64 {
+        if self.elements == 0 {
+            0.0
+        } else {
+            self.bytes as f64 / self.elements as f64
+        }
+    }
+}
+
 /// Parameter access from inside a step closure (runs on the optimizer thread).
 pub struct StepContext {
     model: *mut sys::rp_model,
@@ -69,7 +90,8 @@ impl StepContext {
         param_view(self.model, index, false)
     }
 
-    /// The fp32 gradient of this step for parameter `index`.
+    /// The gradient of this step for parameter `index`: f32, or bf16 for a bf16 / f16 model
+    /// built with [`HostMemoryMode::Saving`](crate::HostMemoryMode::Saving) (check `dtype()`).
     pub fn grad(&mut self, index: usize) -> Result<DlTensor> {
         param_view(self.model, index, true)
     }
@@ -204,6 +226,19 @@ impl Model {
         let mut n = 0;
         check(unsafe { sys::rp_model_step_count(&mut n, self.ptr.as_ptr()) })?;
         Ok(n)
+    }
+
+    /// Host memory held by the parameter state: master weights, weight copies the devices read,
+    /// gradient buffers and built-in optimizer state (allocated at the first built-in step).
+    /// After a built-in AdamW step a bf16 model holds 24 bytes per parameter with
+    /// [`HostMemoryMode::Standard`](crate::HostMemoryMode::Standard) and 12 with
+    /// [`HostMemoryMode::Saving`](crate::HostMemoryMode::Saving) (28 and 12 for f32 models).
+    pub fn host_state_bytes(&self) -> Result<HostStateBytes> {
+        let (mut bytes, mut elements) = (0i64, 0i64);
+        check(unsafe {
+            sys::rp_model_host_state_bytes(&mut bytes, &mut elements, self.ptr.as_ptr())
+        })?;
+        Ok(HostStateBytes { bytes, elements })
     }
 
     /// Inference on the published weights: returns the outputs (one tensor when merged, else
@@ -444,7 +479,8 @@ impl Model {
     }
 
     /// Zero-copy view of the gradient accumulated since the last step for parameter `index`
-    /// (read it after `synchronize`; take a fresh view after each step).
+    /// (read it after `synchronize`; take a fresh view after each step). f32, or bf16 for a
+    /// bf16 / f16 model built with [`HostMemoryMode::Saving`](crate::HostMemoryMode::Saving).
     pub fn param_grad(&mut self, index: usize) -> Result<DlTensor> {
         param_view(self.ptr.as_ptr(), index, true)
     }
