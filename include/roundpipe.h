@@ -593,7 +593,9 @@ RP_API rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momen
  * accumulating afresh. The settings are copied at the call.
  * Asynchronous (`is_async` != 0, recommended): returns at once; the step runs on the optimizer
  * thread while the next rp_forward_backward runs on the weights from before this step
- * (staleness 1, as upstream). Synchronous: returns when the updated weights are in use.
+ * (staleness 1, as upstream) in RP_HOST_MEMORY_STANDARD, or, in RP_HOST_MEMORY_SAVING, uploads
+ * each stage as soon as the step has updated it (never stale). Synchronous: returns when the
+ * updated weights are in use.
  * Calling it waits for the previous step if that one is still running: whatever it returns
  * (except RP_ERR_INVALID_ARGUMENT for bad arguments), every earlier step has finished.
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT; RP_ERR_STATE when the model already holds optimizer

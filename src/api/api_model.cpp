@@ -310,7 +310,7 @@ rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int3
         require(!m.on_optimizer_thread(), "rp_step_callback may not be called from a step callback");
         m.step(
             // A callback updates every parameter at once: they become final when it returns.
-            [model, fn, user_data](const std::function<void(size_t)> &) {
+            [model, fn, user_data](const ParamDone &) {
                 int32_t rc = fn(model, user_data);
                 if (rc != 0)
                     fail(ErrorKind::Callback, "step callback returned " + std::to_string(rc));

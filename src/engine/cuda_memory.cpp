@@ -3,14 +3,25 @@
 #include <algorithm>
 
 #ifdef RP_HAVE_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
 namespace rp {
+namespace {
+
+// The caching allocator learns the device count when CUDA is initialised, which libtorch does
+// lazily (at the first CUDA tensor or pinned allocation); before that every per-device call
+// fails with "Invalid device argument". A model whose weights are not page-locked by the
+// allocator (pin modes register and off) reaches these functions first.
+void initialise_cuda() { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); }
+
+} // namespace
 
 GpuMemoryStats gpu_memory_stats(int device) {
     using namespace c10::cuda::CUDACachingAllocator;
+    initialise_cuda();
     GpuMemoryStats s;
     auto stats = getDeviceStats(static_cast<c10::DeviceIndex>(device));
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -26,10 +37,14 @@ GpuMemoryStats gpu_memory_stats(int device) {
 }
 
 void reset_gpu_peak_memory(int device) {
+    initialise_cuda();
     c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
 }
 
-void release_cached_gpu_memory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+void release_cached_gpu_memory() {
+    initialise_cuda();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+}
 
 void limit_gpu_memory(int device, int64_t bytes) {
     GpuMemoryStats s = gpu_memory_stats(device);

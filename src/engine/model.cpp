@@ -254,17 +254,14 @@ void Model::publish_completed_step() {
 }
 
 void Model::step(StepUpdate update, bool async) {
-    if (store_.saving()) {
-        // One buffer of each kind: the step consumes `grad` in place and opens each parameter
-        // to the next call as it goes (StepGate); nothing to swap or publish.
-        rethrow_step_error();
-    } else {
-        // Make the previous step's weights the ones in use (staleness one), then hand this step
-        // the gradients accumulated since.
-        publish_completed_step();
-        rethrow_step_error();
+    // Make the previous step's weights the ones in use, then hand this step the gradients
+    // accumulated since: in standard mode by swapping buffers (the next call runs on the weights
+    // before this step: staleness one); in memory-saving mode the step consumes `grad` in place
+    // and opens each parameter to the next call as it goes (StepGate).
+    publish_completed_step();
+    rethrow_step_error();
+    if (!store_.saving())
         store_.swap_grads();
-    }
     grads_zero_ = true; // the buffer the next call accumulates into is zeroed by the step
     ++enqueued_;
     runner_.submit([this, update = std::move(update), number = enqueued_] {
@@ -280,10 +277,11 @@ void Model::run_step(const StepUpdate &update, int64_t number) {
     HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
     const bool saving = store_.saving();
     std::vector<bool> finished(saving ? store_.size() : 0, false);
-    auto param_done = [&](size_t i) {
+    auto param_done = [&](size_t i, bool published) {
         if (!saving)
             return;
-        store_.finish_step(i);
+        if (!published)
+            store_.finish_step(i);
         finished[i] = true;
         gate_.open(i, number);
     };
@@ -328,11 +326,16 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
                                    " state; use the same optimizer kind for every step");
     BuiltinOptimizer *opt = builtin_.get();
     step(
-        [this, opt, settings](const std::function<void(size_t)> &param_done) {
-            std::vector<at::Tensor> params;
-            for (size_t i = 0; i < store_.size(); ++i)
-                params.push_back(store_.at(i).master);
-            opt->step(params, step_grads(), settings, param_done);
+        [this, opt, settings](const ParamDone &param_done) {
+            std::vector<at::Tensor> params, lives;
+            for (size_t i = 0; i < store_.size(); ++i) {
+                const Param &p = store_.at(i);
+                params.push_back(p.master);
+                // Saving mode: bf16 weight copies are refreshed inside the update's own pass.
+                const bool fuse = store_.saving() && p.live.scalar_type() == at::kBFloat16;
+                lives.push_back(fuse ? p.live : at::Tensor());
+            }
+            opt->step(params, step_grads(), settings, param_done, lives);
         },
         async);
 }

@@ -42,10 +42,12 @@ struct ModelOptions {
     HostMemoryMode host_memory_mode = HostMemoryMode::Standard;
 };
 
-// An optimizer update over master weights from step gradients. It may call `param_done(i)` as
+// An optimizer update over master weights from step gradients. It may call `param_done` as
 // soon as parameter i is final, which lets the next call upload that parameter early in
 // memory-saving mode.
-using StepUpdate = std::function<void(const std::function<void(size_t)> &param_done)>;
+// `published`: the update already refreshed the parameter's weight copy and zeroed its gradient.
+using ParamDone = std::function<void(size_t i, bool published)>;
+using StepUpdate = std::function<void(const ParamDone &param_done)>;
 
 int visible_cuda_devices();
 

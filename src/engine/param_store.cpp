@@ -60,8 +60,11 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
             Param p;
             p.name = std::to_string(l) + "." + spec.name;
             p.layer = l;
-            p.master = at::empty(spec.shape, at::TensorOptions().dtype(at::kFloat));
+            // Saving mode with fp32 weights: the devices read the master itself, so it is the
+            // buffer to page-lock.
             const bool live_is_master = saving && model_dtype == at::kFloat;
+            p.master = at::empty(spec.shape,
+                                 live_is_master ? host : at::TensorOptions().dtype(at::kFloat));
             p.live = live_is_master ? p.master : at::empty(spec.shape, host);
             if (!saving) {
                 p.staged = at::empty(spec.shape, host);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include <ATen/Parallel.h>
 
@@ -67,7 +68,7 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
 
 void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_avg,
                              uint16_t *exp_avg_sq, int64_t n, const AdamWHyper &h, int64_t step,
-                             uint64_t param_index) {
+                             uint64_t param_index, uint16_t *live_bf16, bool zero_grad) {
     const AdamWConstants c = constants(h, step);
     const uint32_t salt_m = rounding_salt(step, param_index, 0);
     const uint32_t salt_v = rounding_salt(step, param_index, 1);
@@ -83,6 +84,13 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
             adamw_block(param + b, gb, m, v, len, c);
             narrow_bf16_stochastic(m, exp_avg + b, len, b, salt_m);
             narrow_bf16_stochastic(v, exp_avg_sq + b, len, b, salt_v);
+            if (live_bf16)
+                narrow_bf16_nearest(param + b, live_bf16 + b, len);
+            // The gradient lines were just read: zeroing them now costs no second trip.
+            if (zero_grad && grad.f32)
+                std::memset(const_cast<float *>(grad.f32) + b, 0, sizeof(float) * len);
+            else if (zero_grad)
+                std::memset(const_cast<uint16_t *>(grad.bf16) + b, 0, sizeof(uint16_t) * len);
         }
     });
 }

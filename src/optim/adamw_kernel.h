@@ -18,8 +18,11 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
 // The same update with both moments stored in bf16 (stochastically rounded, see
 // bf16_convert.h) and the gradient in fp32 or bf16. `param_index` decorrelates the rounding of
 // different parameters.
+// `live_bf16` (may be null) receives the updated weights rounded to bf16 and `zero_grad` zeroes
+// the gradient, in the same pass over memory: what memory-saving mode does after each update.
 void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_avg,
                              uint16_t *exp_avg_sq, int64_t n, const AdamWHyper &h, int64_t step,
-                             uint64_t param_index);
+                             uint64_t param_index, uint16_t *live_bf16 = nullptr,
+                             bool zero_grad = false);
 
 } // namespace rp

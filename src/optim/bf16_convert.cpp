@@ -40,6 +40,17 @@ narrow_bf16_stochastic(const float *__restrict in, uint16_t *__restrict out, int
     }
 }
 
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
+narrow_bf16_nearest(const float *__restrict in, uint16_t *__restrict out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &in[i], sizeof bits);
+        const uint32_t rounded = (bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16;
+        const bool nan = (bits & 0x7FFFFFFFU) > 0x7F800000U;
+        out[i] = static_cast<uint16_t>(nan ? 0x7FC0U : rounded);
+    }
+}
+
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which) {
     return mix32(static_cast<uint32_t>(step) * 0x9E3779B9U ^ mix32(static_cast<uint32_t>(param)) ^
                  (which * 0x85EBCA6BU));

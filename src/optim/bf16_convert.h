@@ -24,6 +24,10 @@ void widen_bf16(const uint16_t *in, float *out, int64_t n);
 void narrow_bf16_stochastic(const float *in, uint16_t *out, int64_t n, uint64_t first_index,
                             uint32_t salt);
 
+// Rounds to the nearest bf16, ties to even, NaN kept: bit for bit what a tensor copy to bf16
+// gives, so weights written here equal those a later copy from the master would write.
+void narrow_bf16_nearest(const float *in, uint16_t *out, int64_t n);
+
 // A salt for one (step, parameter, state array) triple.
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which);
 

@@ -13,7 +13,7 @@ std::vector<at::Tensor> zeros_like_all(const std::vector<at::Tensor> &params, bo
     return out;
 }
 
-uint16_t *bf16_bits(const at::Tensor &t) {
+uint16_t *bf16_bits(const at::Tensor &t) { // t: bf16, contiguous
     return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
 }
 
@@ -30,11 +30,11 @@ GradSpan grad_span(const at::Tensor &g) {
 
 void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                            const std::function<void(size_t)> &done) {
+                            const ParamDone &done, const std::vector<at::Tensor> &lives) {
     ++steps_;
-    auto finished = [&](size_t i) {
+    auto finished = [&](size_t i, bool published) {
         if (done)
-            done(i);
+            done(i, published);
     };
     if (kind_ == OptimizerKind::AdamW) {
         if (first_moment_.empty()) {
@@ -43,16 +43,18 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
         }
         const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
         for (size_t i = 0; i < params.size(); ++i) {
+            const bool publish = bf16_state_ && !lives.empty() && lives[i].defined();
             if (bf16_state_)
                 adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
                                         bf16_bits(first_moment_[i]),
                                         bf16_bits(second_moment_[i]), params[i].numel(), h,
-                                        steps_, i);
+                                        steps_, i, publish ? bf16_bits(lives[i]) : nullptr,
+                                        publish);
             else
                 adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
                              first_moment_[i].data_ptr<float>(),
                              second_moment_[i].data_ptr<float>(), params[i].numel(), h, steps_);
-            finished(i);
+            finished(i, publish);
         }
         return;
     }
@@ -74,7 +76,7 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
             sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
                        momentum ? first_moment_[i].data_ptr<float>() : nullptr,
                        params[i].numel(), h, seed_buffer);
-        finished(i);
+        finished(i, false);
     }
 }
 

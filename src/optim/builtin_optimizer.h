@@ -24,11 +24,18 @@ class BuiltinOptimizer {
     BuiltinOptimizer(OptimizerKind kind, bool bf16_state) : kind_(kind), bf16_state_(bf16_state) {}
     OptimizerKind kind() const { return kind_; }
 
+    // Called as soon as parameter i is updated; `published`: its bf16 weight copy was refreshed
+    // and its gradient zeroed in the same pass (see step).
+    using ParamDone = std::function<void(size_t i, bool published)>;
+
     // Updates `params` (fp32, contiguous, CPU) in place from `grads` (fp32, or bf16 with
-    // bf16 state), in order, calling `done(i)` (if set) as soon as parameter i is updated. Runs
-    // on the optimizer thread; state is allocated at the first step.
+    // bf16 state), in order, calling `done` (if set) after each. With bf16 state, `lives` (empty,
+    // or one per parameter) names bf16 weight copies to refresh from the update while its data
+    // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped). Runs on
+    // the optimizer thread; state is allocated at the first step.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
-              const OptimizerSettings &settings, const std::function<void(size_t)> &done = {});
+              const OptimizerSettings &settings, const ParamDone &done = {},
+              const std::vector<at::Tensor> &lives = {});
     // Tensor bytes of the optimizer state (0 before the first step).
     int64_t state_bytes() const;
 

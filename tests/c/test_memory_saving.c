@@ -33,6 +33,10 @@ static rp_model *make_model(int32_t mode, int32_t dtype, int32_t devices, uint64
     TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(devices)));
     TS_OK(rp_model_options_set_model_dtype(o, dtype));
     TS_OK(rp_model_options_set_host_memory_mode(o, mode));
+    /* Page-locked in place, as for the largest models (ignored on CPU devices). On a GPU the
+     * first model of this process is one of these: creation must not depend on an earlier
+     * pinned allocation having initialised CUDA. */
+    TS_OK(rp_model_options_set_pin_mode(o, RP_PIN_REGISTER));
     rp_model *m = NULL;
     TS_OK(rp_model_create(&m, SPEC, o));
     rp_model_options_destroy(o);
