@@ -98,8 +98,11 @@ std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) co
         bytes[l] += layers_[l]->workspace_bytes();
     }
     // Two stages per device keeps every device busy with the fused schedule while each stage
-    // stays large enough to amortise its hand-offs.
-    return plan_balanced(layer_costs, bytes, std::max<size_t>(2, 2 * num_devices()),
+    // stays large enough to amortise its hand-offs. Memory-saving mode wants at least eight: a
+    // stage goes up only once the step has updated all of it, so the smaller the first stages
+    // the sooner the next call's forward can follow the optimizer through the model.
+    const size_t min_stages = store_.saving() ? 8 : 2;
+    return plan_balanced(layer_costs, bytes, std::max<size_t>(min_stages, 2 * num_devices()),
                          has_cuda_devices() ? gpu_memory_cap_ / 3.0 : 0.0);
 }
 

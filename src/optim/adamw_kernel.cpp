@@ -70,8 +70,7 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
                              uint16_t *exp_avg_sq, int64_t n, const AdamWHyper &h, int64_t step,
                              uint64_t param_index, uint16_t *live_bf16, bool zero_grad) {
     const AdamWConstants c = constants(h, step);
-    const uint32_t salt_m = rounding_salt(step, param_index, 0);
-    const uint32_t salt_v = rounding_salt(step, param_index, 1);
+    const uint32_t salt = rounding_salt(step, param_index, 0);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block], m[kBf16Block], v[kBf16Block];
         for (int64_t b = begin; b < end; b += kBf16Block) {
@@ -82,8 +81,7 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
             widen_bf16(exp_avg + b, m, len);
             widen_bf16(exp_avg_sq + b, v, len);
             adamw_block(param + b, gb, m, v, len, c);
-            narrow_bf16_stochastic(m, exp_avg + b, len, b, salt_m);
-            narrow_bf16_stochastic(v, exp_avg_sq + b, len, b, salt_v);
+            narrow_two_bf16_stochastic(m, exp_avg + b, v, exp_avg_sq + b, len, b, salt);
             if (live_bf16)
                 narrow_bf16_nearest(param + b, live_bf16 + b, len);
             // The gradient lines were just read: zeroing them now costs no second trip.

@@ -41,6 +41,21 @@ narrow_bf16_stochastic(const float *__restrict in, uint16_t *__restrict out, int
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
+narrow_two_bf16_stochastic(const float *__restrict a_in, uint16_t *__restrict a_out,
+                           const float *__restrict b_in, uint16_t *__restrict b_out, int64_t n,
+                           uint64_t first_index, uint32_t salt) {
+    const uint32_t base = static_cast<uint32_t>(first_index);
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t a, b;
+        std::memcpy(&a, &a_in[i], sizeof a);
+        std::memcpy(&b, &b_in[i], sizeof b);
+        const uint32_t noise = mix32((base + static_cast<uint32_t>(i)) ^ salt);
+        a_out[i] = static_cast<uint16_t>((a + (noise & 0xFFFFU)) >> 16);
+        b_out[i] = static_cast<uint16_t>((b + (noise >> 16)) >> 16);
+    }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
 narrow_bf16_nearest(const float *__restrict in, uint16_t *__restrict out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         uint32_t bits;

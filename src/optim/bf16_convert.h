@@ -28,6 +28,11 @@ void narrow_bf16_stochastic(const float *in, uint16_t *out, int64_t n, uint64_t 
 // gives, so weights written here equal those a later copy from the master would write.
 void narrow_bf16_nearest(const float *in, uint16_t *out, int64_t n);
 
+// narrow_bf16_stochastic of two arrays at once from one hash per element (its low half rounds
+// `a`, its high half `b`): AdamW's two moments for the price of one hash.
+void narrow_two_bf16_stochastic(const float *a_in, uint16_t *a_out, const float *b_in,
+                                uint16_t *b_out, int64_t n, uint64_t first_index, uint32_t salt);
+
 // A salt for one (step, parameter, state array) triple.
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which);
 
