@@ -1,5 +1,9 @@
 #include "optim/step_runner.h"
 
+#include <cstdlib>
+
+#include <omp.h>
+
 namespace rp {
 
 StepRunner::StepRunner() : thread_([this] { loop(); }) {}
@@ -34,6 +38,14 @@ std::exception_ptr StepRunner::take_error() {
 }
 
 void StepRunner::loop() {
+    // RP_OPTIMIZER_THREADS caps the threads of the optimizer's parallel loops (OpenMP teams
+    // started from this thread only). The CPU optimizer shares host memory bandwidth and cores
+    // with the weight uploads, the gradient thread and the device workers' kernel launches.
+    if (const char *env = std::getenv("RP_OPTIMIZER_THREADS")) {
+        const int n = std::atoi(env);
+        if (n > 0)
+            omp_set_num_threads(n);
+    }
     for (;;) {
         std::function<void()> task;
         {
