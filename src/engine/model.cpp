@@ -161,6 +161,8 @@ void Model::check_output_device(const at::Device &d) const {
 
 std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
                                        const RunConfig &call, bool *merge_output) {
+    // The trace of this call must not pair its device spans with an earlier call's host spans.
+    timeline_.begin_call();
     ResolvedRunConfig cfg = resolve(call);
     Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
     for (const auto &mb_inputs : mb.inputs)
