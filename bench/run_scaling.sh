@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Multi-GPU scaling of the Qwen3-1.7B shape (issue 8's measurement on the GPU counts at hand):
-# builds train_bench like run_gpu_bench.sh, then runs it on each GPU count in $SCALING_GPUS
-# (default "1 2"), batch 8 x 4096, bf16, stage grain, 8 microbatches (>= GPUs + 1 up to 7 GPUs),
-# default memory cap, no baseline. One JSON line per count in $OUT/scaling.jsonl, then a table.
+# Multi-GPU scaling (issue 8's measurement on the GPU counts at hand): builds train_bench like
+# run_gpu_bench.sh, then runs it on each GPU count in $SCALING_GPUS (default "1 2"), shape
+# $SCALING_SHAPE (default qwen3-1.7b), batch 8 x 4096, bf16, stage grain, 8 microbatches (>= GPUs
+# + 1 up to 7 GPUs), default memory cap, no baseline, plus $SCALING_ARGS (e.g. the 8B needs
+# "--host-memory saving --pin register"; fewer steps: "--warmup 1 --steps 2"). One JSON line per
+# count in $OUT/scaling.jsonl, then a table.
 #
 #   OUT=/tmp/out SCALING_GPUS="1 2 4" BENCH_COMMIT=<sha> bash bench/run_scaling.sh
 set -uo pipefail
@@ -24,9 +26,10 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/conf
 : > "$out/scaling.jsonl"
 for g in ${SCALING_GPUS:-1 2}; do
   echo "[scaling] $g GPU(s)"
-  timeout 300 "$build/bench/train_bench" --shape qwen3-1.7b --batch 8 --seq 4096 --microbatches 8 \
-    --grain stage --dtype bf16 --devices cuda --num-devices "$g" --warmup 3 --steps 6 \
-    --fb-only-steps 1 --opt-steps 1 --baseline off --label "$label gpus=$g" \
+  timeout 300 "$build/bench/train_bench" --shape "${SCALING_SHAPE:-qwen3-1.7b}" --batch 8 \
+    --seq 4096 --microbatches 8 --grain stage --dtype bf16 --devices cuda --num-devices "$g" \
+    --warmup 3 --steps 6 --fb-only-steps 1 --opt-steps 1 --baseline off \
+    ${SCALING_ARGS:-} --label "$label gpus=$g" \
     2> "$out/scaling_$g.log" | tail -1 >> "$out/scaling.jsonl"
 done
 python3 - "$out/scaling.jsonl" <<'PY'
