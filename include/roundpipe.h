@@ -413,7 +413,8 @@ RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *mod
  * read, gradient buffers and built-in optimizer state (allocated at the first built-in step),
  * counted as tensor bytes (allocator padding excluded), and the number of parameter elements
  * (tied parameters once), so out_bytes / out_elements is bytes per parameter.
- * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). Any thread. */
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). Thread: the thread driving this
+ * model. */
 RP_API rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
                                            const rp_model *model);
 

@@ -46,7 +46,7 @@ struct ModelOptions {
 // soon as parameter i is final, which lets the next call upload that parameter early in
 // memory-saving mode.
 // `published`: the update already refreshed the parameter's weight copy and zeroed its gradient.
-using ParamDone = std::function<void(size_t i, bool published)>;
+using ParamDone = BuiltinOptimizer::ParamDone;
 using StepUpdate = std::function<void(const ParamDone &param_done)>;
 
 int visible_cuda_devices();

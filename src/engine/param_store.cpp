@@ -44,6 +44,9 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
     // in parallel: each layer draws from its own generator, so the values do not depend on the
     // number of threads, and an 8B model starts in seconds instead of minutes.
     std::vector<std::vector<std::pair<size_t, const ParamSpec *>>> owned(layers.size());
+    // Saving mode with fp32 weights: the devices read the master itself, so it is the buffer to
+    // page-lock.
+    const bool live_is_master = saving && model_dtype == at::kFloat;
     for (size_t l = 0; l < layers.size(); ++l) {
         for (const ParamSpec &spec : layers[l]->params()) {
             if (!spec.tied_to.empty()) {
@@ -60,9 +63,6 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
             Param p;
             p.name = std::to_string(l) + "." + spec.name;
             p.layer = l;
-            // Saving mode with fp32 weights: the devices read the master itself, so it is the
-            // buffer to page-lock.
-            const bool live_is_master = saving && model_dtype == at::kFloat;
             p.master = at::empty(spec.shape,
                                  live_is_master ? host : at::TensorOptions().dtype(at::kFloat));
             p.live = live_is_master ? p.master : at::empty(spec.shape, host);
@@ -82,10 +82,7 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
             for (const auto &[index, spec] : owned[l]) {
                 Param &p = params_[index];
                 initialise(p.master, *spec, gen);
-                if (!p.live.is_same(p.master))
-                    p.live.copy_(p.master);
-                if (p.staged.defined())
-                    p.staged.copy_(p.master);
+                copy_master_to_weights(p);
             }
         }
     });
@@ -145,20 +142,21 @@ void ParamStore::publish_staged() {
         std::swap(p.live, p.staged);
 }
 
-void ParamStore::finish_step(size_t i) {
-    Param &p = params_[i];
+void ParamStore::copy_master_to_weights(Param &p) {
     if (!p.live.is_same(p.master))
         p.live.copy_(p.master);
-    p.grad.zero_();
+    if (p.staged.defined())
+        p.staged.copy_(p.master);
+}
+
+void ParamStore::finish_step(size_t i) {
+    copy_master_to_weights(params_[i]); // saving mode: no staged copy
+    params_[i].grad.zero_();
 }
 
 void ParamStore::refresh_live_from_master() {
-    for (Param &p : params_) {
-        if (!p.live.is_same(p.master))
-            p.live.copy_(p.master);
-        if (p.staged.defined())
-            p.staged.copy_(p.master);
-    }
+    for (Param &p : params_)
+        copy_master_to_weights(p);
 }
 
 int64_t ParamStore::state_bytes(int64_t *elements) const {

@@ -71,6 +71,9 @@ class ParamStore {
     void refresh_live_from_master(); // live (and staged) = master (nothing in flight)
 
   private:
+    // live and staged = master, where they are buffers of their own.
+    static void copy_master_to_weights(Param &p);
+
     std::vector<Param> params_;
     std::vector<std::vector<size_t>> by_layer_;
     at::ScalarType model_dtype_;

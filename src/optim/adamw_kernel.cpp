@@ -32,10 +32,6 @@ adamw_range(float *__restrict p, const float *__restrict g, float *__restrict m,
     }
 }
 
-} // namespace
-
-namespace {
-
 struct AdamWConstants {
     float decay, one_minus_b1, b2, one_minus_b2, inv_bc2_sqrt, eps, step_size;
 };
@@ -86,9 +82,9 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
                 narrow_bf16_nearest(param + b, live_bf16 + b, len);
             // The gradient lines were just read: zeroing them now costs no second trip.
             if (zero_grad && grad.f32)
-                std::memset(const_cast<float *>(grad.f32) + b, 0, sizeof(float) * len);
+                std::memset(grad.f32 + b, 0, sizeof(float) * len);
             else if (zero_grad)
-                std::memset(const_cast<uint16_t *>(grad.bf16) + b, 0, sizeof(uint16_t) * len);
+                std::memset(grad.bf16 + b, 0, sizeof(uint16_t) * len);
         }
     });
 }

@@ -5,10 +5,11 @@
 
 namespace rp {
 
-// A gradient array in fp32 or bf16 (bit patterns); exactly one pointer is set.
+// A gradient array in fp32 or bf16 (bit patterns); exactly one pointer is set. Writable: the
+// memory-saving update zeroes the gradient in the pass that reads it.
 struct GradSpan {
-    const float *f32 = nullptr;
-    const uint16_t *bf16 = nullptr;
+    float *f32 = nullptr;
+    uint16_t *bf16 = nullptr;
 };
 
 // Elements per block of scratch: three fp32 blocks stay within a core's L1 cache.

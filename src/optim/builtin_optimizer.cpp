@@ -20,9 +20,9 @@ uint16_t *bf16_bits(const at::Tensor &t) { // t: bf16, contiguous
 GradSpan grad_span(const at::Tensor &g) {
     GradSpan span;
     if (g.scalar_type() == at::kBFloat16)
-        span.bf16 = reinterpret_cast<const uint16_t *>(g.const_data_ptr<at::BFloat16>());
+        span.bf16 = bf16_bits(g);
     else
-        span.f32 = g.const_data_ptr<float>();
+        span.f32 = g.data_ptr<float>();
     return span;
 }
 
@@ -40,6 +40,7 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
         if (first_moment_.empty()) {
             first_moment_ = zeros_like_all(params, bf16_state_);
             second_moment_ = zeros_like_all(params, bf16_state_);
+            count_state();
         }
         const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
         for (size_t i = 0; i < params.size(); ++i) {
@@ -63,6 +64,7 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
     bool seed_buffer = false;
     if (s.momentum != 0.0 && first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
+        count_state();
         seed_buffer = true;
     }
     const SgdHyper h{s.lr, s.momentum, s.weight_decay};
@@ -80,12 +82,12 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
     }
 }
 
-int64_t BuiltinOptimizer::state_bytes() const {
+void BuiltinOptimizer::count_state() {
     int64_t bytes = 0;
     for (const auto *state : {&first_moment_, &second_moment_})
         for (const at::Tensor &t : *state)
             bytes += static_cast<int64_t>(t.nbytes());
-    return bytes;
+    state_bytes_ = bytes;
 }
 
 } // namespace rp

@@ -1,5 +1,6 @@
 // State and update rule of a built-in optimizer (AdamW or SGD) over fp32 master weights.
 #pragma once
+#include <atomic>
 #include <functional>
 #include <vector>
 
@@ -36,8 +37,9 @@ class BuiltinOptimizer {
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
               const OptimizerSettings &settings, const ParamDone &done = {},
               const std::vector<at::Tensor> &lives = {});
-    // Tensor bytes of the optimizer state (0 before the first step).
-    int64_t state_bytes() const;
+    // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
+    // allocated on the optimizer thread while the caller may ask.
+    int64_t state_bytes() const { return state_bytes_; }
 
   private:
     OptimizerKind kind_;
@@ -45,6 +47,9 @@ class BuiltinOptimizer {
     int64_t steps_ = 0;
     std::vector<at::Tensor> first_moment_;  // AdamW exp_avg, SGD momentum buffer
     std::vector<at::Tensor> second_moment_; // AdamW exp_avg_sq
+    std::atomic<int64_t> state_bytes_{0};
+
+    void count_state(); // after allocating state
 };
 
 } // namespace rp

@@ -188,6 +188,57 @@ static void adamw_follows_the_reference_within_bf16_moments(void **state) {
     rp_model_destroy(m);
 }
 
+/* SGD with momentum 0.9 and a bf16 momentum buffer against torch::optim::SGD (fp32 model). The
+ * first step seeds the buffer with the gradient and updates from the fp32 value: 1e-5. Later
+ * steps read the buffer rounded to bf16 (relative error below 2^-7), so each step moves a weight
+ * by lr * |buf| * (1 +- 0.008); with lr 0.05 and |buf| below ~1 here, 3 steps stay within
+ * 1e-3 of the reference. */
+static void sgd_momentum_follows_the_reference_within_bf16_buffer(void **state) {
+    (void)state;
+    const double lr = 0.05, momentum = 0.9;
+    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 2, 13);
+    ref_model *ref = ts_reference_from(m, SPEC, 13);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_SGD));
+    TS_OK(rp_optimizer_set_learning_rate(opt, lr));
+    TS_OK(rp_optimizer_set_momentum(opt, momentum));
+    TS_OK(rp_optimizer_set_weight_decay(opt, 0.0));
+    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+    for (int it = 0; it < 3; ++it) {
+        task t;
+        task_init(&t, 10 + it);
+        train_call(m, &t, loss, cfg);
+        ref_tensor rin = {t.x, 0, 2, xs}, rlab = {t.y, 0, 2, ys};
+        ref_fb_args a = {rin, &rlab, 2, 0, 0, it, REF_LOSS_MSE, 1.0};
+        double want = 0.0;
+        assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
+        TS_OK(rp_step(m, opt, 0));
+        assert_int_equal(ref_step_sgd(ref, lr, momentum, 0.0), 0);
+        ts_params *w = ts_masters(m), *rw = ts_ref_params(ref, 0);
+        double worst = 0.0;
+        for (size_t p = 0; p < w->count; ++p)
+            for (int64_t i = 0; i < w->numel[p]; ++i)
+                worst = fmax(worst, fabs((double)w->data[p][i] - rw->data[p][i]));
+        if (it == 0)
+            ts_assert_params_close(w, rw, 1e-5, "weights after the first SGD step");
+        else if (!(worst <= 1e-3)) {
+            print_error("step %d: largest weight difference %.3g > 1e-3\n", it + 1, worst);
+            fail();
+        }
+        ts_params_free(w);
+        ts_params_free(rw);
+        task_free(&t);
+    }
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    ref_destroy(ref);
+    rp_model_destroy(m);
+}
+
 /* The issue's criterion: 200 AdamW steps (lr 3e-3, 4 batches in turn), saving mode against the
  * standard mode (fp32 AdamW state) from the same initial weights. Both run synchronously, so both
  * use fresh weights; the standard run is itself checked against torch::optim::AdamW in
@@ -353,6 +404,7 @@ int main(void) {
         cmocka_unit_test(state_bytes_match_the_layout),
         cmocka_unit_test(bad_mode_is_rejected),
         cmocka_unit_test(adamw_follows_the_reference_within_bf16_moments),
+        cmocka_unit_test(sgd_momentum_follows_the_reference_within_bf16_buffer),
         cmocka_unit_test(loss_curve_stays_within_one_percent_over_200_steps),
         cmocka_unit_test(async_steps_are_never_stale),
         cmocka_unit_test(failing_step_callback_leaves_the_model_usable),
