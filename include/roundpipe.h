@@ -17,6 +17,11 @@
  *   - rp_*_destroy functions return nothing, accept NULL, and wait for work in flight first.
  *   - One model may be driven from one thread at a time; different models are independent.
  *   - No C++ exception and no abort crosses this API.
+ *
+ * Environment variables the library reads (every one it reads is listed here):
+ *   - RP_OPTIMIZER_THREADS=N: cap the threads of the CPU optimizer's parallel loops (AdamW, SGD,
+ *     the overflow check) at N >= 1; unset or invalid, libtorch's intra-op thread count is used.
+ *     Read when a model's optimizer thread starts.
  */
 #ifndef ROUNDPIPE_H
 #define ROUNDPIPE_H
@@ -287,6 +292,25 @@ RP_API rp_status rp_run_config_set_split_callback(rp_run_config *config, rp_spli
  * -1 unsets. @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_run_config_set_merge_output(rp_run_config *config, int32_t merge);
 
+/** Number of microbatches the configuration sets (0: unset). @return RP_OK or
+ * RP_ERR_INVALID_ARGUMENT (NULL pointer). Any thread. */
+RP_API rp_status rp_run_config_get_num_microbatch(int32_t *out_num_microbatch,
+                                                  const rp_run_config *config);
+
+/** Recompute granularity the configuration sets (RP_GRAIN_DEFAULT: unset). @return RP_OK or
+ * RP_ERR_INVALID_ARGUMENT. Any thread. */
+RP_API rp_status rp_run_config_get_recompute_grain(int32_t *out_grain,
+                                                   const rp_run_config *config);
+
+/** Output device the configuration sets: `*out_device_type` kDLCPU or kDLCUDA, or 0 when unset
+ * (then `*out_device_id` is 0). @return RP_OK or RP_ERR_INVALID_ARGUMENT. Any thread. */
+RP_API rp_status rp_run_config_get_output_device(int32_t *out_device_type, int32_t *out_device_id,
+                                                 const rp_run_config *config);
+
+/** Merge rule the configuration sets: 1 merge, 0 one output per microbatch, -1 unset.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. Any thread. */
+RP_API rp_status rp_run_config_get_merge_output(int32_t *out_merge, const rp_run_config *config);
+
 /* ---------------------------------------------------------------------------------------------
  * Model options and model lifetime
  * ------------------------------------------------------------------------------------------- */
@@ -398,6 +422,31 @@ RP_API rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
 /** Number of worker devices. */
 RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
 
+/**
+ * The current stage plan (after the re-plan the first GPU training call makes from measured
+ * times): stage s holds the next `out_layers_per_stage[s]` layers of the layer list.
+ * @param out_layers_per_stage up to `capacity` counts are written (may be NULL when capacity
+ *        is 0).
+ * @param out_num_stages receives the number of stages (also when it exceeds `capacity`).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL model or out_num_stages, negative capacity).
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages,
+                                     int32_t capacity, const rp_model *model);
+
+/**
+ * The run configuration a call with `call` would use: the model-level configuration overlaid by
+ * `call` field by field, with every field still unset filled in with the built-in default
+ * (num_microbatch: number of devices + 1; grain: RP_GRAIN_STAGE; output device: the CPU;
+ * merge_output: 1). Input and label split dimensions and the split callback are copied as set.
+ * @param out_config receives a new configuration; caller frees with rp_run_config_destroy.
+ * @param call borrowed; NULL means no per-call configuration.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL pointer, an output GPU that does not exist).
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model,
+                                             const rp_run_config *call);
+
 /** Number of optimizer steps enqueued so far (built-in or callback). */
 RP_API rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
 
@@ -424,7 +473,9 @@ RP_API rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elem
  * ("weights", "activation_upload", "compute", "download"), one complete event per transfer or
  * microbatch computation, times in microseconds from the call's start, measured with CUDA
  * events on GPUs and the host clock on CPU devices (which record compute only). Each event's
- * args name the job, the stage and the kind (forward, tail, backward).
+ * args name the job, the stage and the kind (forward, tail, backward); a transfer's args also
+ * hold "bytes", the bytes it moved. The host is one more process ("host") with one thread per
+ * host activity ("caller", "optimizer", "gradients").
  * @param out_json receives the text; library-owned, valid until the next call on this model.
  * Thread: the thread driving this model.
  */
@@ -461,6 +512,24 @@ RP_API rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tenso
 
 /** Free the list. Tensors already taken with rp_tensor_list_get stay valid. NULL is ignored. */
 RP_API void rp_tensor_list_destroy(rp_tensor_list *list);
+
+/**
+ * Split one tensor into `num_microbatch` pieces by the rule the engine applies to inputs and
+ * labels: along dimension `dim` with the sizes of torch.tensor_split (the first pieces one row
+ * larger when the rows do not divide evenly); a 0-d tensor, or `dim` RP_SPLIT_REPLICATE, gives
+ * every microbatch the whole tensor. For bindings that split structures the engine does not see
+ * (Python pytrees) leaf by leaf, so the rule and its errors have one home.
+ * @param out_pieces receives a list of `num_microbatch` views of `tensor` (no copy); caller frees
+ *        with rp_tensor_list_destroy. The views keep the borrowed memory alive only while the
+ *        caller keeps `tensor`'s memory alive.
+ * @param tensor borrowed; on the CPU or a GPU, any dtype.
+ * @param dim a dimension >= 0, or RP_SPLIT_REPLICATE.
+ * @param num_microbatch 1..65536.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, bad tensor, dim outside the tensor, fewer rows
+ *         than microbatches: the message says which). Any thread.
+ */
+RP_API rp_status rp_split_microbatches(rp_tensor_list **out_pieces, const DLManagedTensor *tensor,
+                                       int32_t dim, int32_t num_microbatch);
 
 /* ---------------------------------------------------------------------------------------------
  * Losses
@@ -646,6 +715,12 @@ RP_API rp_status rp_param_name(const char **out_name, const rp_model *model, siz
 
 /** Index of the parameter called `name`. RP_ERR_INVALID_ARGUMENT when there is none. */
 RP_API rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *name);
+
+/** Hugging Face tensor name of parameter `index` ("model.layers.2.mlp.up_proj.weight"), the name
+ * rp_model_save_hf writes. Library-owned, valid while the model lives.
+ * @return RP_OK; RP_ERR_STATE for a model not built from a Hugging Face config;
+ *         RP_ERR_INVALID_ARGUMENT (NULL, index out of range). Any thread. */
+RP_API rp_status rp_param_hf_name(const char **out_name, const rp_model *model, size_t index);
 
 /** Shape of parameter `index`: `*out_ndim` receives the rank; up to `capacity` sizes are written
  * to `out_shape` (which may be NULL when capacity is 0). */

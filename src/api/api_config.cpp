@@ -157,6 +157,58 @@ rp_status rp_run_config_set_merge_output(rp_run_config *config, int32_t merge) {
     });
 }
 
+rp_status rp_run_config_get_num_microbatch(int32_t *out_num_microbatch,
+                                           const rp_run_config *config) {
+    return guard([&] {
+        require_arg(out_num_microbatch && config, "output pointer or config is NULL");
+        *out_num_microbatch = config->config.num_microbatch.value_or(0);
+    });
+}
+
+rp_status rp_run_config_get_recompute_grain(int32_t *out_grain, const rp_run_config *config) {
+    return guard([&] {
+        require_arg(out_grain && config, "output pointer or config is NULL");
+        const auto &g = config->config.grain;
+        *out_grain = !g ? RP_GRAIN_DEFAULT
+                        : (*g == RecomputeGrain::Stage ? RP_GRAIN_STAGE : RP_GRAIN_LAYER);
+    });
+}
+
+rp_status rp_run_config_get_output_device(int32_t *out_device_type, int32_t *out_device_id,
+                                          const rp_run_config *config) {
+    return guard([&] {
+        require_arg(out_device_type && out_device_id && config,
+                    "output pointer or config is NULL");
+        const auto &d = config->config.output_device;
+        *out_device_type = !d ? 0 : (d->is_cuda() ? kDLCUDA : kDLCPU);
+        *out_device_id = d && d->is_cuda() ? d->index() : 0;
+    });
+}
+
+rp_status rp_run_config_get_merge_output(int32_t *out_merge, const rp_run_config *config) {
+    return guard([&] {
+        require_arg(out_merge && config, "output pointer or config is NULL");
+        const auto &m = config->config.merge_output;
+        *out_merge = !m ? -1 : (*m ? 1 : 0);
+    });
+}
+
+rp_status rp_split_microbatches(rp_tensor_list **out_pieces, const DLManagedTensor *tensor,
+                                int32_t dim, int32_t num_microbatch) {
+    return guard([&] {
+        require_arg(out_pieces, "out_pieces is NULL");
+        require(num_microbatch >= 1 && num_microbatch <= 65536,
+                "num_microbatch must be between 1 and 65536, got " +
+                    std::to_string(num_microbatch));
+        require(dim >= RP_SPLIT_REPLICATE,
+                "split dim must be RP_SPLIT_REPLICATE (-1) or >= 0, got " + std::to_string(dim));
+        at::Tensor t = borrow_dlpack(tensor, "tensor", visible_cuda_devices());
+        auto list = std::make_unique<rp_tensor_list>();
+        list->tensors = split_tensor(t, dim, num_microbatch, "tensor");
+        *out_pieces = list.release();
+    });
+}
+
 rp_status rp_model_options_create(rp_model_options **out_options) {
     return create_handle(out_options);
 }

@@ -1,6 +1,6 @@
 // Versions, status strings, errors, logging, device discovery.
 #include "api/api_guard.h"
-#include "engine/log.h"
+#include "base/log.h"
 #include "engine/model.h"
 
 using namespace rp;

@@ -2,6 +2,7 @@
 #include "api/api_guard.h"
 #include "api/dlpack_bridge.h"
 #include "api/handles.h"
+#include "api/trace_json.h"
 #include "engine/cuda_memory.h"
 #include "layers/spec_parser.h"
 
@@ -31,20 +32,9 @@ std::vector<at::Tensor> borrow_inputs(const DLManagedTensor *const *inputs, size
     return out;
 }
 
-// Outputs must never alias the caller's borrowed inputs (a reshape-only model returns views).
-rp_tensor_list *make_output_list(std::vector<at::Tensor> outputs, bool merge,
-                                 const std::vector<at::Tensor> &inputs) {
+rp_tensor_list *make_output_list(std::vector<at::Tensor> outputs) {
     auto list = std::make_unique<rp_tensor_list>();
-    if (merge)
-        outputs = {merge_outputs(outputs)};
-    for (at::Tensor &t : outputs) {
-        for (const at::Tensor &in : inputs)
-            if (t.storage().is_alias_of(in.storage())) {
-                t = t.clone();
-                break;
-            }
-        list->tensors.push_back(t);
-    }
+    list->tensors = std::move(outputs);
     return list.release();
 }
 
@@ -83,43 +73,6 @@ Loss make_loss(const rp_loss *l) {
     return loss;
 }
 
-// Token ids and labels of models with token layers are checked on the host: on a GPU an index
-// out of range would be a device-side assertion that poisons the whole process.
-void check_tokens(const rp_model *h, const std::vector<at::Tensor> &in, const at::Tensor &labels) {
-    const at::Tensor &ids = in[0];
-    if (h->input_vocab > 0 && !at::isFloatingType(ids.scalar_type()) && ids.numel() > 0) {
-        at::Tensor bad = ids.lt(0).logical_or(ids.ge(h->input_vocab));
-        if (bad.any().item<bool>())
-            fail(ErrorKind::InvalidArgument,
-                 "input 0 holds token id " +
-                     std::to_string(ids.masked_select(bad)[0].item<int64_t>()) +
-                     " outside the vocabulary [0, " + std::to_string(h->input_vocab) + ")");
-    }
-    if (h->label_vocab > 0 && labels.defined() && !at::isFloatingType(labels.scalar_type()) &&
-        labels.numel() > 0) {
-        at::Tensor bad =
-            labels.ne(-100).logical_and(labels.lt(0).logical_or(labels.ge(h->label_vocab)));
-        if (bad.any().item<bool>())
-            fail(ErrorKind::InvalidArgument,
-                 "labels hold " + std::to_string(labels.masked_select(bad)[0].item<int64_t>()) +
-                     ", neither -100 (no target) nor a token id in [0, " +
-                     std::to_string(h->label_vocab) + ")");
-    }
-}
-
-// RP_LOSS_CAUSAL_LM: one normaliser for the whole call, the number of tokens with a target, so
-// that the microbatch losses add up to the batch mean (docs/semantics.md).
-void normalise_causal_lm(Loss &loss, const at::Tensor &labels, const at::Tensor &ids) {
-    require(labels.defined(), "loss RP_LOSS_CAUSAL_LM needs labels (token ids, -100 for none)");
-    require(!at::isFloatingType(labels.scalar_type()) && labels.dim() == 2,
-            "loss RP_LOSS_CAUSAL_LM needs integer labels [batch, seq], got " +
-                std::string(c10::toString(labels.scalar_type())) + " " + c10::str(labels.sizes()));
-    require(labels.sizes() == ids.sizes(), "loss RP_LOSS_CAUSAL_LM needs labels of the shape of "
-                                           "input 0 " + c10::str(ids.sizes()) + ", got " +
-                                               c10::str(labels.sizes()));
-    loss.scale /= static_cast<double>(std::max<int64_t>(1, causal_lm_target_count(labels)));
-}
-
 const RunConfig &config_of(const rp_run_config *c) {
     static const RunConfig empty;
     return c ? c->config : empty;
@@ -135,7 +88,8 @@ rp_status rp_model_create(rp_model **out_model, const char *spec_json,
         require_arg(out_model, "out_model is NULL");
         require_arg(spec_json, "spec_json is NULL");
         ModelOptions opts = options ? options->options : ModelOptions();
-        auto handle = make_model_handle(parse_model_spec(spec_json), opts);
+        auto handle = std::make_unique<rp_model>();
+        handle->model = std::make_unique<Model>(parse_model_spec(spec_json), opts);
         *out_model = handle.release();
     });
 }
@@ -166,6 +120,31 @@ rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model) {
     return guard([&] {
         require_arg(out_count, "out_count is NULL");
         *out_count = static_cast<int32_t>(model_of(model).num_devices());
+    });
+}
+
+rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages,
+                              int32_t capacity, const rp_model *model) {
+    return guard([&] {
+        require_arg(out_num_stages, "out_num_stages is NULL");
+        require_arg(capacity >= 0, "capacity is negative");
+        require_arg(capacity == 0 || out_layers_per_stage,
+                    "out_layers_per_stage is NULL but capacity > 0");
+        std::vector<int> plan = model_of(model).stage_plan();
+        for (int32_t s = 0; s < capacity && s < static_cast<int32_t>(plan.size()); ++s)
+            out_layers_per_stage[s] = plan[s];
+        *out_num_stages = static_cast<int32_t>(plan.size());
+    });
+}
+
+rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model,
+                                      const rp_run_config *call) {
+    return guard([&] {
+        require_arg(out_config, "out_config is NULL");
+        ResolvedRunConfig r = model_of(model).resolve_run_config(config_of(call));
+        auto handle = std::make_unique<rp_run_config>();
+        handle->config = r.as_run_config();
+        *out_config = handle.release();
     });
 }
 
@@ -205,7 +184,7 @@ rp_status rp_model_trace_json(const char **out_json, rp_model *model) {
     return guard([&] {
         require_arg(out_json, "out_json is NULL");
         Model &m = model_of(model);
-        model->trace_json = m.trace_json();
+        model->trace_json = chrome_trace_json(m.trace());
         *out_json = model->trace_json.c_str();
     });
 }
@@ -262,10 +241,7 @@ rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model,
         Model &m = model_of(model);
         require(!m.on_optimizer_thread(), "rp_forward may not be called from a step callback");
         std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
-        check_tokens(model, in, at::Tensor());
-        bool merge = true;
-        std::vector<at::Tensor> outs = m.forward(in, config_of(config), &merge);
-        *out_outputs = make_output_list(std::move(outs), merge, in);
+        *out_outputs = make_output_list(m.forward(in, config_of(config)));
     });
 }
 
@@ -279,16 +255,11 @@ rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp
                 "rp_forward_backward may not be called from a step callback");
         std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
         at::Tensor lab = labels ? borrow_dlpack(labels, "labels", input_gpus(m)) : at::Tensor();
-        check_tokens(model, in, lab);
-        Loss l = make_loss(loss);
-        if (l.kind == LossKind::CausalLm)
-            normalise_causal_lm(l, lab, in[0]);
         std::vector<at::Tensor> outs;
-        bool merge = true;
-        double total =
-            m.forward_backward(in, lab, l, config_of(config), out_outputs ? &outs : nullptr, &merge);
+        double total = m.forward_backward(in, lab, make_loss(loss), config_of(config),
+                                          out_outputs ? &outs : nullptr);
         if (out_outputs)
-            *out_outputs = make_output_list(std::move(outs), merge, in);
+            *out_outputs = make_output_list(std::move(outs));
         if (out_loss)
             *out_loss = total;
     });

@@ -5,4 +5,4 @@
 
 #include "roundpipe.h"
 
-#include "engine/error.h"
+#include "base/error.h"

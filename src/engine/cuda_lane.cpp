@@ -1,7 +1,7 @@
 // The GPU lane: four streams per GPU, ordered by CUDA events; pinned host memory for every
 // device-to-host copy, so copies in both directions are asynchronous.
 #include "engine/device_lane.h"
-#include "engine/error.h"
+#include "base/error.h"
 
 #ifdef RP_HAVE_CUDA
 #include <mutex>
@@ -18,6 +18,13 @@ using Event = at::cuda::CUDAEvent;
 // Weight copies are split into pieces of this size so that an activation upload queued on the
 // other stream waits for at most one piece, not a whole stage's weights.
 constexpr int64_t kChunkBytes = 32 << 20;
+
+int64_t bytes_of(const std::vector<at::Tensor> &tensors) {
+    int64_t n = 0;
+    for (const at::Tensor &t : tensors)
+        n += static_cast<int64_t>(t.nbytes());
+    return n;
+}
 
 std::shared_ptr<Event> record(const c10::cuda::CUDAStream &stream) {
     auto e = std::make_shared<Event>(cudaEventDefault); // timing on: the record needs it
@@ -67,7 +74,7 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(weights_);
         t.ready = end;
-        mark("weights", job, start, end);
+        mark("weights", job, start, end, bytes_of(host));
         return t;
     }
 
@@ -77,18 +84,21 @@ class CudaLane final : public DeviceLane {
             std::static_pointer_cast<Event>(from.ready)->block(activations_);
         auto start = record(activations_);
         Transfer t;
+        int64_t moved = 0; // tensors already on this GPU cost no transfer
         for (const at::Tensor &h : from.tensors) {
             if (!h.defined()) {
                 t.tensors.push_back(h);
                 continue;
             }
+            if (h.device() != device_)
+                moved += static_cast<int64_t>(h.nbytes());
             at::Tensor d = h.to(device_, /*non_blocking=*/true);
             d.record_stream(compute_);
             t.tensors.push_back(d);
         }
         auto end = record(activations_);
         t.ready = end;
-        mark("activation_upload", job, start, end);
+        mark("activation_upload", job, start, end, moved);
         return t;
     }
 
@@ -103,6 +113,7 @@ class CudaLane final : public DeviceLane {
         computed->block(download_);
         auto start = record(download_);
         Transfer t;
+        int64_t moved = 0; // tensors already on the host cost no transfer
         for (const at::Tensor &d : device_tensors) {
             if (!d.defined() || !d.is_cuda()) {
                 t.tensors.push_back(d);
@@ -112,10 +123,11 @@ class CudaLane final : public DeviceLane {
             h.copy_(d, /*non_blocking=*/true);
             d.record_stream(download_);
             t.tensors.push_back(h);
+            moved += static_cast<int64_t>(d.nbytes());
         }
         auto end = record(download_);
         t.ready = end;
-        mark("download", job, start, end);
+        mark("download", job, start, end, moved);
         return t;
     }
 
@@ -135,7 +147,7 @@ class CudaLane final : public DeviceLane {
         std::vector<TraceSpan> spans;
         for (const Mark &m : marks_)
             spans.push_back({m.what, m.job, zero_->elapsed_time(*m.start),
-                             zero_->elapsed_time(*m.end)});
+                             zero_->elapsed_time(*m.end), m.bytes});
         marks_.clear();
         return spans;
     }
@@ -145,12 +157,13 @@ class CudaLane final : public DeviceLane {
         std::string what;
         size_t job;
         std::shared_ptr<Event> start, end;
+        int64_t bytes;
     };
 
     void mark(const char *what, size_t job, std::shared_ptr<Event> start,
-              std::shared_ptr<Event> end) {
+              std::shared_ptr<Event> end, int64_t bytes = -1) {
         std::lock_guard<std::mutex> lock(mutex_);
-        marks_.push_back({what, job, std::move(start), std::move(end)});
+        marks_.push_back({what, job, std::move(start), std::move(end), bytes});
     }
 
     at::Device device_;

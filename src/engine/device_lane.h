@@ -22,6 +22,7 @@ struct TraceSpan {
     std::string what; // "weights", "activation_upload", "compute", "download"
     size_t job = 0;
     double start_ms = 0, end_ms = 0;
+    int64_t bytes = -1; // transfers: bytes moved; -1 for compute
 };
 
 class DeviceLane {

@@ -1,6 +1,6 @@
 #include "engine/loss.h"
 
-#include "engine/error.h"
+#include "base/error.h"
 
 namespace rp {
 namespace {
@@ -21,36 +21,36 @@ void check_loss_inputs(const Loss &loss, const at::Tensor &output, const at::Ten
         // of a real one; loss_backward checks those outputs again.
         if (output.dim() > 0 && output.size(0) == 0)
             break;
-        require(output.numel() == 1, "loss RP_LOSS_OUTPUT needs a model output with one element, "
+        require(output.numel() == 1, "the output loss needs a model output with one element, "
                                      "got shape " + shape_str(output.sizes()));
         break;
     case LossKind::Mse:
-        require(labels.defined(), "loss RP_LOSS_MSE needs labels");
+        require(labels.defined(), "the mean-squared-error loss needs labels");
         require(at::isFloatingType(labels.scalar_type()),
-                "loss RP_LOSS_MSE needs floating-point labels");
+                "the mean-squared-error loss needs floating-point labels");
         require(labels.sizes() == output.sizes(),
                 "labels of shape " + shape_str(labels.sizes()) +
                     " do not match the model output of shape " + shape_str(output.sizes()) +
                     " (per microbatch)");
         break;
     case LossKind::CrossEntropy:
-        require(labels.defined(), "loss RP_LOSS_CROSS_ENTROPY needs labels");
-        require(output.dim() == 2, "loss RP_LOSS_CROSS_ENTROPY needs outputs [N, C], got " +
+        require(labels.defined(), "the cross-entropy loss needs labels");
+        require(output.dim() == 2, "the cross-entropy loss needs outputs [N, C], got " +
                                        shape_str(output.sizes()));
         require(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
                     labels.size(0) == output.size(0),
-                "loss RP_LOSS_CROSS_ENTROPY needs int64 labels [N] with N = " +
+                "the cross-entropy loss needs int64 labels [N] with N = " +
                     std::to_string(output.size(0)) + ", got " + shape_str(labels.sizes()));
         break;
     case LossKind::CausalLm:
-        require(labels.defined(), "loss RP_LOSS_CAUSAL_LM needs labels (token ids, -100 for none)");
+        require(labels.defined(), "the causal-LM loss needs labels (token ids, -100 for none)");
         require(!at::isFloatingType(labels.scalar_type()),
-                "loss RP_LOSS_CAUSAL_LM needs integer labels (token ids, -100 for none)");
+                "the causal-LM loss needs integer labels (token ids, -100 for none)");
         // On the empty batch of the shape check the last layer has no labels and gives logits.
         if (output.dim() > 0 && output.size(0) == 0)
             break;
         require(output.numel() == 1,
-                "loss RP_LOSS_CAUSAL_LM needs a model whose last layer is an lm_head (it returns "
+                "the causal-LM loss needs a model whose last layer is an lm_head (it returns "
                 "the summed token loss when given labels); got an output of shape " +
                     shape_str(output.sizes()));
         break;

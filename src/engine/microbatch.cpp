@@ -2,12 +2,11 @@
 
 #include <string>
 
-#include "engine/error.h"
+#include "base/error.h"
 
 namespace rp {
-namespace {
 
-std::vector<at::Tensor> split_one(const at::Tensor &t, int dim, int n, const std::string &what) {
+std::vector<at::Tensor> split_tensor(const at::Tensor &t, int dim, int n, const std::string &what) {
     if (t.dim() == 0 || dim == kReplicate)
         return std::vector<at::Tensor>(n, t);
     require(dim < t.dim(), what + " has " + std::to_string(t.dim()) +
@@ -18,8 +17,6 @@ std::vector<at::Tensor> split_one(const at::Tensor &t, int dim, int n, const std
                                   "; lower num_microbatch or enlarge the batch");
     return at::tensor_split(t, n, dim);
 }
-
-} // namespace
 
 Microbatches split_microbatches(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                                 const ResolvedRunConfig &config) {
@@ -36,13 +33,13 @@ Microbatches split_microbatches(const std::vector<at::Tensor> &inputs, const at:
             auto it = config.input_split_dims.find(static_cast<int>(i));
             int dim = it == config.input_split_dims.end() ? 0 : it->second;
             std::vector<at::Tensor> pieces =
-                split_one(inputs[i], dim, n, "input " + std::to_string(i));
+                split_tensor(inputs[i], dim, n, "input " + std::to_string(i));
             for (int m = 0; m < n; ++m)
                 mb.inputs[m].push_back(pieces[m]);
         }
     }
     if (labels.defined())
-        mb.labels = split_one(labels, config.label_split_dim, n, "labels");
+        mb.labels = split_tensor(labels, config.label_split_dim, n, "labels");
     else
         mb.labels.assign(n, at::Tensor());
     return mb;

@@ -1,12 +1,11 @@
 #include "engine/model.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <optional>
 
-#include "engine/error.h"
+#include "base/error.h"
 #include "engine/cuda_memory.h"
-#include "engine/log.h"
+#include "base/log.h"
 
 namespace rp {
 namespace {
@@ -15,7 +14,7 @@ std::vector<at::Device> choose_devices(const ModelOptions &o) {
     const int gpus = visible_cuda_devices();
     bool cuda = o.device_kind == DeviceKind::Cuda || (o.device_kind == DeviceKind::Auto && gpus > 0);
     if (o.device_kind == DeviceKind::Cuda && gpus == 0)
-        fail(ErrorKind::Cuda, "RP_DEVICE_CUDA was asked for but no CUDA GPU is visible");
+        fail(ErrorKind::Cuda, "GPU devices were asked for but no CUDA GPU is visible");
     std::vector<at::Device> devices;
     if (cuda) {
         int n = o.num_devices > 0 ? o.num_devices : gpus;
@@ -145,7 +144,14 @@ void Model::check_shapes_once(const std::vector<at::Tensor> &inputs, const at::T
     checked_shapes_.insert(std::move(key));
 }
 
-ResolvedRunConfig Model::resolve(const RunConfig &call) const {
+std::vector<int> Model::stage_plan() const {
+    std::vector<int> counts;
+    for (const Stage &s : stages_)
+        counts.push_back(static_cast<int>(s.end_layer - s.first_layer));
+    return counts;
+}
+
+ResolvedRunConfig Model::resolve_run_config(const RunConfig &call) const {
     ResolvedRunConfig r = ResolvedRunConfig::resolve(RunConfig::overlay(run_config_, call),
                                                      static_cast<int>(num_devices()));
     check_output_device(r.output_device);
@@ -159,11 +165,68 @@ void Model::check_output_device(const at::Device &d) const {
                     std::to_string(visible_cuda_devices()) + " GPUs visible)");
 }
 
+void Model::check_index_ranges(const std::vector<at::Tensor> &inputs,
+                               const at::Tensor &labels) const {
+    // Checked on the host: on a GPU an index out of range is a device-side assertion that
+    // poisons the whole process.
+    const at::Tensor &ids = inputs.at(0);
+    const int64_t ids_limit = layers_.front()->input_index_limit();
+    if (ids_limit > 0 && !at::isFloatingType(ids.scalar_type()) && ids.numel() > 0) {
+        at::Tensor bad = ids.lt(0).logical_or(ids.ge(ids_limit));
+        if (bad.any().item<bool>())
+            fail(ErrorKind::InvalidArgument,
+                 "input 0 holds token id " +
+                     std::to_string(ids.masked_select(bad)[0].item<int64_t>()) +
+                     " outside the vocabulary [0, " + std::to_string(ids_limit) + ")");
+    }
+    const int64_t label_limit = layers_.back()->label_index_limit();
+    if (label_limit > 0 && labels.defined() && !at::isFloatingType(labels.scalar_type()) &&
+        labels.numel() > 0) {
+        at::Tensor bad =
+            labels.ne(kIgnoreLabel).logical_and(labels.lt(0).logical_or(labels.ge(label_limit)));
+        if (bad.any().item<bool>())
+            fail(ErrorKind::InvalidArgument,
+                 "labels hold " + std::to_string(labels.masked_select(bad)[0].item<int64_t>()) +
+                     ", neither " + std::to_string(kIgnoreLabel) +
+                     " (no target) nor a token id in [0, " + std::to_string(label_limit) + ")");
+    }
+}
+
+// The causal-LM loss has one normaliser for the whole call, the number of tokens with a target,
+// so that the microbatch losses add up to the batch mean (docs/semantics.md).
+static Loss normalised_causal_lm(Loss loss, const at::Tensor &labels, const at::Tensor &ids) {
+    require(labels.defined(), "the causal-LM loss needs labels (token ids, -100 for none)");
+    require(!at::isFloatingType(labels.scalar_type()) && labels.dim() == 2,
+            "the causal-LM loss needs integer labels [batch, seq], got " +
+                std::string(c10::toString(labels.scalar_type())) + " " + c10::str(labels.sizes()));
+    require(labels.sizes() == ids.sizes(), "the causal-LM loss needs labels of the shape of "
+                                           "input 0 " + c10::str(ids.sizes()) + ", got " +
+                                               c10::str(labels.sizes()));
+    loss.scale /= static_cast<double>(std::max<int64_t>(1, causal_lm_target_count(labels)));
+    return loss;
+}
+
+std::vector<at::Tensor> Model::finish_outputs(std::vector<at::Tensor> outputs, bool merge,
+                                              const std::vector<at::Tensor> &inputs) const {
+    if (merge)
+        outputs = {merge_outputs(outputs)};
+    // Outputs are the caller's to keep: never views of the borrowed inputs (a reshape-only
+    // model returns them).
+    for (at::Tensor &t : outputs)
+        for (const at::Tensor &in : inputs)
+            if (t.storage().is_alias_of(in.storage())) {
+                t = t.clone();
+                break;
+            }
+    return outputs;
+}
+
 std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
-                                       const RunConfig &call, bool *merge_output) {
+                                       const RunConfig &call) {
     // The trace of this call must not pair its device spans with an earlier call's host spans.
     timeline_.begin_call();
-    ResolvedRunConfig cfg = resolve(call);
+    check_index_ranges(inputs, at::Tensor());
+    ResolvedRunConfig cfg = resolve_run_config(call);
     Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
     for (const auto &mb_inputs : mb.inputs)
         check_shapes_once(mb_inputs, at::Tensor(), nullptr);
@@ -174,16 +237,19 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
     ctx.grain = cfg.grain;
     gate_call(ctx);
     pipeline_.run(ctx);
-    *merge_output = cfg.merge_output;
-    return ctx.outputs;
+    return finish_outputs(std::move(ctx.outputs), cfg.merge_output, inputs);
 }
 
 double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
-                               const Loss &loss, const RunConfig &call,
-                               std::vector<at::Tensor> *outputs, bool *merge_output) {
+                               const Loss &call_loss, const RunConfig &call,
+                               std::vector<at::Tensor> *outputs) {
     timeline_.begin_call();
     std::optional<HostSpan> phase(std::in_place, timeline_, "caller", "prepare");
-    ResolvedRunConfig cfg = resolve(call);
+    check_index_ranges(inputs, labels);
+    const Loss loss = call_loss.kind == LossKind::CausalLm
+                          ? normalised_causal_lm(call_loss, labels, inputs.at(0))
+                          : call_loss;
+    ResolvedRunConfig cfg = resolve_run_config(call);
     Microbatches mb = split_microbatches(inputs, labels, cfg);
     for (size_t m = 0; m < mb.inputs.size(); ++m)
         check_shapes_once(mb.inputs[m], mb.labels[m], &loss);
@@ -222,9 +288,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     for (const at::Tensor &l : ctx.losses)
         total += l.item<double>() / scale;
     if (outputs)
-        *outputs = std::move(ctx.outputs);
-    if (merge_output)
-        *merge_output = cfg.merge_output;
+        *outputs = finish_outputs(std::move(ctx.outputs), cfg.merge_output, inputs);
     return total;
 }
 
@@ -376,7 +440,7 @@ void Model::load_master(const std::vector<at::Tensor> &values) {
 
 namespace rp {
 
-std::string Model::trace_json() const {
+std::vector<TraceEvent> Model::trace() const {
     static const char *kinds[] = {"forward", "tail", "backward"};
     // One zero for all: the host clock at the call's start. The device lanes start their clocks
     // as the pipeline starts, within microseconds of the caller's "pipeline" span.
@@ -386,35 +450,30 @@ std::string Model::trace_json() const {
     for (const HostTimeline::Span &h : host)
         if (h.thread == "caller" && h.what == "pipeline")
             device_offset_ms = std::chrono::duration<double, std::milli>(h.start - zero).count();
-    // Devices are processes 0..G-1; the host is process kHostPid, named by a metadata event.
-    constexpr int kHostPid = 1000;
-    std::string out = "{\"traceEvents\":[{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" +
-                      std::to_string(kHostPid) + ",\"args\":{\"name\":\"host\"}}";
-    char buf[512];
+    std::vector<TraceEvent> events;
     for (const JobTrace &job : pipeline_.last_trace())
         for (const TraceSpan &span : job.spans) {
-            std::snprintf(buf, sizeof buf,
-                          ",{\"name\":\"%s stage %zu\",\"cat\":\"%s\",\"ph\":\"X\","
-                          "\"ts\":%.3f,\"dur\":%.3f,\"pid\":%zu,\"tid\":\"%s\","
-                          "\"args\":{\"job\":%zu,\"stage\":%zu,\"kind\":\"%s\"}}",
-                          kinds[static_cast<int>(job.kind)], job.stage, span.what.c_str(),
-                          (device_offset_ms + span.start_ms) * 1000.0,
-                          (span.end_ms - span.start_ms) * 1000.0, job.device, span.what.c_str(),
-                          job.job, job.stage, kinds[static_cast<int>(job.kind)]);
-            out += buf;
+            TraceEvent e;
+            e.kind = kinds[static_cast<int>(job.kind)];
+            e.name = e.kind + " stage " + std::to_string(job.stage);
+            e.lane = span.what;
+            e.device = static_cast<int>(job.device);
+            e.start_us = (device_offset_ms + span.start_ms) * 1000.0;
+            e.duration_us = (span.end_ms - span.start_ms) * 1000.0;
+            e.job = job.job;
+            e.stage = job.stage;
+            e.bytes = span.bytes;
+            events.push_back(std::move(e));
         }
     for (const HostTimeline::Span &h : host) {
-        double start = std::chrono::duration<double, std::milli>(h.start - zero).count();
-        double end = std::chrono::duration<double, std::milli>(h.end - zero).count();
-        std::snprintf(buf, sizeof buf,
-                      ",{\"name\":\"%s\",\"cat\":\"host\",\"ph\":\"X\",\"ts\":%.3f,"
-                      "\"dur\":%.3f,\"pid\":%d,\"tid\":\"%s\"}",
-                      h.what.c_str(), start * 1000.0, (end - start) * 1000.0, kHostPid,
-                      h.thread.c_str());
-        out += buf;
+        TraceEvent e;
+        e.name = h.what;
+        e.lane = h.thread;
+        e.start_us = std::chrono::duration<double, std::micro>(h.start - zero).count();
+        e.duration_us = std::chrono::duration<double, std::micro>(h.end - h.start).count();
+        events.push_back(std::move(e));
     }
-    out += "],\"displayTimeUnit\":\"ms\"}";
-    return out;
+    return events;
 }
 
 } // namespace rp

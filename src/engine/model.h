@@ -9,13 +9,14 @@
 #include "engine/grad_accumulator.h"
 #include "engine/grad_scaler.h"
 #include "engine/host_timeline.h"
+#include "engine/layer.h"
 #include "engine/loss.h"
 #include "engine/param_store.h"
 #include "engine/pipeline.h"
 #include "engine/run_config.h"
 #include "engine/stage_planner.h"
 #include "engine/step_gate.h"
-#include "layers/layer.h"
+#include "engine/trace.h"
 #include "optim/builtin_optimizer.h"
 #include "optim/step_runner.h"
 
@@ -56,14 +57,15 @@ class Model {
     Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &options);
     ~Model(); // drains the optimizer thread before the workers go
 
-    // Inference over microbatches; returns one output per microbatch.
-    std::vector<at::Tensor> forward(const std::vector<at::Tensor> &inputs, const RunConfig &call,
-                                    bool *merge_output);
-    // Fused forward + backward; returns the summed loss. `outputs` (may be null) receives one
-    // output per microbatch; `merge_output` whether the caller should merge them.
+    // Inference over microbatches. Returns the outputs as the resolved configuration says: one
+    // merged tensor, or one per microbatch; never a view of the caller's inputs.
+    std::vector<at::Tensor> forward(const std::vector<at::Tensor> &inputs, const RunConfig &call);
+    // Fused forward + backward; returns the summed loss. For LossKind::CausalLm `loss.scale` is
+    // divided by the call's number of targets, so the result is the batch mean. `outputs` (may be
+    // null) receives the outputs as forward() returns them.
     double forward_backward(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                             const Loss &loss, const RunConfig &call,
-                            std::vector<at::Tensor> *outputs, bool *merge_output);
+                            std::vector<at::Tensor> *outputs);
 
     // Queues `update` (which changes master weights from step grads) as the next step.
     void step(StepUpdate update, bool async);
@@ -77,6 +79,10 @@ class Model {
     const ParamStore &params() const { return store_; }
     size_t num_layers() const { return layers_.size(); }
     size_t num_stages() const { return stages_.size(); }
+    // Layers per stage of the current plan.
+    std::vector<int> stage_plan() const;
+    // The model's run configuration overlaid by `call`, defaults filled in, output device checked.
+    ResolvedRunConfig resolve_run_config(const RunConfig &call) const;
     size_t num_devices() const { return pipeline_.num_devices(); }
     bool has_cuda_devices() const { return !pipeline_.device(0).is_cpu(); }
     int64_t steps_enqueued() const { return enqueued_; }
@@ -87,14 +93,15 @@ class Model {
     // Host bytes of parameter state, built-in optimizer state included; `elements` receives the
     // parameter count.
     int64_t host_state_bytes(int64_t *elements) const;
-    // The timing record of the last call as Chrome trace JSON (one process per device, one
-    // thread per stream).
-    std::string trace_json() const;
+    // The timing record of the last call: device stream spans and host thread spans.
+    std::vector<TraceEvent> trace() const;
     const std::string &name() const { return name_; }
 
   private:
-    ResolvedRunConfig resolve(const RunConfig &call) const;
     void check_output_device(const at::Device &d) const;
+    void check_index_ranges(const std::vector<at::Tensor> &inputs, const at::Tensor &labels) const;
+    std::vector<at::Tensor> finish_outputs(std::vector<at::Tensor> outputs, bool merge,
+                                           const std::vector<at::Tensor> &inputs) const;
     void publish_completed_step();
     std::vector<at::Tensor> step_grads() const;
     void run_step(const StepUpdate &update, int64_t number);

@@ -3,8 +3,8 @@
 #include <ATen/Parallel.h>
 
 #include "engine/cuda_memory.h"
-#include "engine/error.h"
-#include "engine/log.h"
+#include "base/error.h"
+#include "base/log.h"
 #include "engine/seed.h"
 
 namespace rp {

@@ -17,7 +17,7 @@
 
 #include <ATen/ATen.h>
 
-#include "layers/layer.h"
+#include "engine/layer.h"
 
 namespace rp {
 

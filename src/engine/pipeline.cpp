@@ -1,7 +1,7 @@
 #include "engine/pipeline.h"
 
 #include "engine/cuda_memory.h"
-#include "engine/error.h"
+#include "base/error.h"
 
 namespace rp {
 
@@ -9,6 +9,22 @@ Pipeline::Pipeline(const std::vector<at::Device> &devices) {
     for (const at::Device &d : devices)
         workers_.push_back(std::make_unique<DeviceWorker>(make_device_lane(d)));
 }
+
+namespace {
+
+// What the user can change when a stage does not fit: the message names the stage and its layers.
+Error stage_out_of_memory(const Stage &st, size_t stage, const at::Device &device,
+                          const c10::OutOfMemoryError &e) {
+    return Error(ErrorKind::OutOfMemory,
+                 "stage " + std::to_string(stage) + " (layers " + std::to_string(st.first_layer) +
+                     " to " + std::to_string(st.end_layer - 1) + ") ran out of memory on " +
+                     device.str() +
+                     "; use more microbatches (smaller activations), recompute grain 'layer', "
+                     "or a smaller GPU memory cap (smaller stages). " +
+                     e.what_without_backtrace());
+}
+
+} // namespace
 
 void Pipeline::run(CallContext &ctx) {
     const size_t S = ctx.stages.size();
@@ -54,15 +70,8 @@ void Pipeline::run(CallContext &ctx) {
             } catch (const CallAborted &) {
                 // Another job failed first; its error is the one reported.
             } catch (const c10::OutOfMemoryError &e) {
-                const Stage &st = ctx.stages[stage];
-                state.fail(std::make_exception_ptr(Error(
-                    ErrorKind::OutOfMemory,
-                    "stage " + std::to_string(stage) + " (layers " +
-                        std::to_string(st.first_layer) + " to " + std::to_string(st.end_layer - 1) +
-                        ") ran out of memory on " + lane.device().str() +
-                        "; use more microbatches (smaller activations), recompute grain "
-                        "'layer', or a smaller GPU memory cap (smaller stages). " +
-                        e.what_without_backtrace())));
+                state.fail(std::make_exception_ptr(
+                    stage_out_of_memory(ctx.stages[stage], stage, lane.device(), e)));
             } catch (...) {
                 state.fail(std::current_exception());
             }

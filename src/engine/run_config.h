@@ -67,6 +67,19 @@ struct ResolvedRunConfig {
                 c.split,
                 c.merge_output.value_or(true)};
     }
+
+    // The same configuration with every field set.
+    RunConfig as_run_config() const {
+        RunConfig c;
+        c.num_microbatch = num_microbatch;
+        c.grain = grain;
+        c.output_device = output_device;
+        c.input_split_dims = input_split_dims;
+        c.label_split_dim = label_split_dim;
+        c.split = split;
+        c.merge_output = merge_output;
+        return c;
+    }
 };
 
 } // namespace rp

@@ -1,6 +1,6 @@
 #include "engine/stage_executor.h"
 
-#include "engine/error.h"
+#include "base/error.h"
 #include "engine/seed.h"
 
 namespace rp {

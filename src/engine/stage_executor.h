@@ -15,7 +15,7 @@
 #include "engine/run_config.h"
 #include "engine/stage_planner.h"
 #include "engine/step_gate.h"
-#include "layers/layer.h"
+#include "engine/layer.h"
 
 namespace rp {
 

@@ -5,7 +5,7 @@
 #include <limits>
 #include <string>
 
-#include "engine/error.h"
+#include "base/error.h"
 
 namespace rp {
 

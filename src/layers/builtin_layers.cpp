@@ -62,13 +62,19 @@ class Linear final : public Layer {
 
 class Embedding final : public Layer {
   public:
-    Embedding(int64_t num, int64_t dim) { params_.push_back({"weight", {num, dim}, InitKind::Normal, 1.0}); }
+    Embedding(int64_t num, int64_t dim) : num_(num) {
+        params_.push_back({"weight", {num, dim}, InitKind::Normal, 1.0});
+    }
     std::string type() const override { return "embedding"; }
+    int64_t input_index_limit() const override { return num_; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
                        const LayerContext &) const override {
         return at::embedding(p[0], x);
     }
     double cost_estimate() const override { return 1024.0; } // a gather, not a matmul
+
+  private:
+    int64_t num_;
 };
 
 class LayerNorm final : public Layer {

@@ -3,7 +3,7 @@
 #include <memory>
 #include <string>
 
-#include "layers/layer.h"
+#include "engine/layer.h"
 
 namespace rp {
 

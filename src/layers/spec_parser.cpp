@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/error.h"
+#include "base/error.h"
 #include "layers/builtin_layers.h"
 #include "layers/transformer_layers.h"
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/layer.h"
+#include "engine/layer.h"
 
 namespace rp {
 

@@ -64,6 +64,7 @@ class TokenEmbedding final : public Layer {
         params_.push_back(normal_param("weight", {num, dim}, init_std));
     }
     std::string type() const override { return "token_embedding"; }
+    int64_t input_index_limit() const override { return vocab(); }
     int64_t vocab() const { return num_; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &ids,
                        const LayerContext &) const override {
@@ -287,6 +288,7 @@ class LmHead final : public Layer {
         params_.push_back(std::move(weight));
     }
     std::string type() const override { return "lm_head"; }
+    int64_t label_index_limit() const override { return vocab(); }
     // The fused loss keeps an fp32 [vocab, dim] gradient accumulator and, per chunk, fp32
     // logits, their gradient and a low-precision copy.
     double workspace_bytes() const override {
@@ -342,14 +344,6 @@ std::unique_ptr<Layer> make_decoder_layer(const DecoderSpec &spec) {
 std::unique_ptr<Layer> make_lm_head(int64_t dim, int64_t vocab, const std::string &tied_to,
                                     double init_std, int64_t chunk_tokens) {
     return std::make_unique<LmHead>(dim, vocab, tied_to, init_std, chunk_tokens);
-}
-
-int64_t token_layer_vocab(const Layer &layer) {
-    if (auto *e = dynamic_cast<const TokenEmbedding *>(&layer))
-        return e->vocab();
-    if (auto *h = dynamic_cast<const LmHead *>(&layer))
-        return h->vocab();
-    return 0;
 }
 
 } // namespace rp

@@ -6,12 +6,12 @@
 #include <memory>
 #include <string>
 
-#include "layers/layer.h"
+#include "engine/layer.h"
 
 namespace rp {
 
 // Label value that marks a token without a target (Hugging Face's ignore_index).
-constexpr int64_t kIgnoreIndex = -100;
+constexpr int64_t kIgnoreIndex = kIgnoreLabel;
 
 // Rotary position embedding: the inverse frequencies of Hugging Face's "default", "linear" and
 // "llama3" rope types.
@@ -52,8 +52,5 @@ std::unique_ptr<Layer> make_decoder_layer(const DecoderSpec &spec);
 // parameter ("0.weight") to share, or is empty.
 std::unique_ptr<Layer> make_lm_head(int64_t dim, int64_t vocab, const std::string &tied_to,
                                     double init_std, int64_t chunk_tokens);
-
-// Vocabulary size of a token_embedding or lm_head layer; 0 for any other layer.
-int64_t token_layer_vocab(const Layer &layer);
 
 } // namespace rp

@@ -1,5 +1,5 @@
-// Hugging Face config.json of the supported causal LMs (Qwen3ForCausalLM, LlamaForCausalLM) ->
-// our JSON model spec, and the names of our parameters in Hugging Face checkpoints.
+// Hugging Face config.json of the supported causal LMs (Qwen3ForCausalLM, LlamaForCausalLM): the
+// validated configuration, and the names of our parameters in Hugging Face checkpoints.
 //
 // Layer list for a model with L decoder layers, and the Hugging Face prefix of each layer's
 // parameters:
@@ -14,8 +14,8 @@
 
 #include <ATen/ATen.h>
 
-#include "engine/error.h"
-#include "layers/transformer_layers.h"
+#include "base/error.h"
+#include "layers/transformer_layers.h" // RopeSpec
 
 namespace rp {
 
@@ -38,9 +38,6 @@ struct HfModelConfig {
 // for text from the caller), an unsupported architecture or feature with InvalidArgument.
 HfModelConfig parse_hf_config(const std::string &json_text, const std::string &where,
                               ErrorKind parse_error);
-
-// The JSON model spec (docs/semantics.md) of the model the config describes.
-std::string hf_model_spec(const HfModelConfig &config);
 
 // Hugging Face tensor name of our parameter `name` ("3.mlp.up_proj.weight" ->
 // "model.layers.2.mlp.up_proj.weight").

@@ -1,4 +1,4 @@
-#include "io/hf_checkpoint.h"
+#include "hf/hf_checkpoint.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/error.h"
-#include "engine/log.h"
+#include "base/error.h"
+#include "base/log.h"
 
 namespace rp {
 namespace {
@@ -114,20 +114,22 @@ std::string read_hf_config_text(const std::string &dir) {
     return read_text(path);
 }
 
-HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTensorSpec> &expected,
-                                const std::vector<std::string> &ignored) {
-    HfCheckpoint ckpt;
+namespace {
+
+// The files of the checkpoint in `dir`, each checked to exist; fills `layout` from the index of
+// a sharded checkpoint.
+std::vector<std::string> checkpoint_files(const std::string &dir, HfLayout &layout) {
     std::vector<std::string> files;
     if (exists(join(dir, kIndexFile))) {
-        ckpt.layout = read_index(dir);
+        layout = read_index(dir);
         std::set<std::string> distinct;
-        for (const auto &kv : ckpt.layout.file_of)
+        for (const auto &kv : layout.file_of)
             if (distinct.insert(kv.second).second)
                 files.push_back(kv.second);
         for (const std::string &f : files)
             if (!exists(join(dir, f))) {
                 std::string example;
-                for (const auto &kv : ckpt.layout.file_of)
+                for (const auto &kv : layout.file_of)
                     if (kv.second == f) {
                         example = kv.first;
                         break;
@@ -141,6 +143,35 @@ HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTens
         fail(ErrorKind::Io, dir + ": no " + std::string(kSingleFile) + " and no " + kIndexFile +
                                 " (not a Hugging Face checkpoint directory?)");
     }
+    return files;
+}
+
+// Tensors of the checkpoint that the model does not use are worth a warning, not an error.
+void warn_unused(const std::string &dir,
+                 const std::map<std::string, std::map<std::string, at::Tensor>> &by_file,
+                 const std::set<std::string> &used, const std::vector<std::string> &ignored) {
+    std::vector<std::string> unexpected;
+    for (const auto &f : by_file)
+        for (const auto &kv : f.second)
+            if (!used.count(kv.first) && !ignorable(kv.first, ignored))
+                unexpected.push_back(kv.first);
+    if (unexpected.empty())
+        return;
+    std::string list;
+    for (size_t i = 0; i < unexpected.size() && i < 5; ++i)
+        list += (i ? ", " : "") + ("\"" + unexpected[i] + "\"");
+    if (unexpected.size() > 5)
+        list += ", ...";
+    log(LogLevel::Warn, dir + ": " + std::to_string(unexpected.size()) +
+                            " tensor(s) of the checkpoint are not used by the model: " + list);
+}
+
+} // namespace
+
+HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTensorSpec> &expected,
+                                const std::vector<std::string> &ignored) {
+    HfCheckpoint ckpt;
+    std::vector<std::string> files = checkpoint_files(dir, ckpt.layout);
 
     // Every file is mapped and its header validated before any tensor is looked at.
     std::map<std::string, std::map<std::string, at::Tensor>> by_file;
@@ -177,20 +208,7 @@ HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTens
         used.insert(spec.name);
     }
 
-    std::vector<std::string> unexpected;
-    for (const auto &f : by_file)
-        for (const auto &kv : f.second)
-            if (!used.count(kv.first) && !ignorable(kv.first, ignored))
-                unexpected.push_back(kv.first);
-    if (!unexpected.empty()) {
-        std::string list;
-        for (size_t i = 0; i < unexpected.size() && i < 5; ++i)
-            list += (i ? ", " : "") + ("\"" + unexpected[i] + "\"");
-        if (unexpected.size() > 5)
-            list += ", ...";
-        log(LogLevel::Warn, dir + ": " + std::to_string(unexpected.size()) +
-                                " tensor(s) of the checkpoint are not used by the model: " + list);
-    }
+    warn_unused(dir, by_file, used, ignored);
     if (!ckpt.layout.sharded) {
         // Keep only what the model saves back; ignored tensors of a single file need no place.
         for (auto it = ckpt.layout.file_of.begin(); it != ckpt.layout.file_of.end();)

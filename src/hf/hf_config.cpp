@@ -1,4 +1,4 @@
-#include "io/hf_config.h"
+#include "hf/hf_config.h"
 
 #include <nlohmann/json.hpp>
 
@@ -191,43 +191,6 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
     }
     c.json_text = json_text;
     return c;
-}
-
-std::string hf_model_spec(const HfModelConfig &c) {
-    json layers = json::array();
-    layers.push_back({{"type", "token_embedding"},
-                      {"num", c.vocab},
-                      {"dim", c.hidden},
-                      {"init_std", c.init_std}});
-    json decoder = {{"type", "decoder_layer"},
-                    {"dim", c.hidden},
-                    {"heads", c.heads},
-                    {"kv_heads", c.kv_heads},
-                    {"head_dim", c.head_dim},
-                    {"hidden", c.intermediate},
-                    {"eps", c.eps},
-                    {"qk_norm", c.qk_norm},
-                    {"attention_bias", c.attention_bias},
-                    {"mlp_bias", c.mlp_bias},
-                    {"init_std", c.init_std},
-                    {"rope_theta", c.rope.theta},
-                    {"rope_type", c.rope.type}};
-    if (c.rope.type != "default")
-        decoder["rope_factor"] = c.rope.factor;
-    if (c.rope.type == "llama3") {
-        decoder["rope_low_freq_factor"] = c.rope.low_freq_factor;
-        decoder["rope_high_freq_factor"] = c.rope.high_freq_factor;
-        decoder["rope_original_max_positions"] = c.rope.original_max_positions;
-    }
-    for (int64_t i = 0; i < c.layers; ++i)
-        layers.push_back(decoder);
-    layers.push_back({{"type", "rms_norm"}, {"dim", c.hidden}, {"eps", c.eps}});
-    json head = {
-        {"type", "lm_head"}, {"dim", c.hidden}, {"vocab", c.vocab}, {"init_std", c.init_std}};
-    if (c.tied)
-        head["tied_to"] = "0.weight";
-    layers.push_back(head);
-    return json{{"layers", layers}}.dump();
 }
 
 std::string hf_tensor_name(const HfModelConfig &c, const std::string &name) {

@@ -10,6 +10,9 @@
 
 namespace rp {
 
+// Label value that marks a target to ignore (Hugging Face's and PyTorch's ignore_index).
+constexpr int64_t kIgnoreLabel = -100;
+
 enum class InitKind { Uniform, Normal, Ones, Zeros };
 
 struct ParamSpec {
@@ -36,8 +39,8 @@ struct LayerContext {
     // compute device; never null during a call (empty when the call has one input).
     const std::vector<at::Tensor> *side_inputs = nullptr;
     // This microbatch's labels on the compute device, given only to the layers of the fused tail
-    // stage of a training call whose loss a last layer may fuse (RP_LOSS_CAUSAL_LM,
-    // RP_LOSS_OUTPUT); null elsewhere.
+    // stage of a training call whose loss a last layer may fuse (the causal-LM loss, or a loss
+    // that is the output itself); null elsewhere.
     const at::Tensor *labels = nullptr;
 };
 
@@ -59,6 +62,15 @@ class Layer {
     // Device memory a training pass needs beyond weights, gradients and activations (e.g. the
     // fp32 gradient accumulator of a chunked loss), in bytes; counted in the stage's budget.
     virtual double workspace_bytes() const { return 0.0; }
+
+    // Integer values of its input that this layer uses as row indices must lie in
+    // [0, input_index_limit()); 0: the layer indexes nothing. Asked of a model's first layer, so
+    // bad token ids fail on the host before a GPU could index out of bounds (a device-side
+    // assertion would poison the whole process).
+    virtual int64_t input_index_limit() const { return 0; }
+    // Integer labels of a loss this layer fuses must lie in [0, label_index_limit()) or be
+    // kIgnoreLabel; 0: the layer fuses no such loss. Asked of a model's last layer.
+    virtual int64_t label_index_limit() const { return 0; }
 
   protected:
     std::vector<ParamSpec> params_;

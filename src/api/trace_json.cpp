@@ -1,0 +1,34 @@
+#include "api/trace_json.h"
+
+#include <nlohmann/json.hpp>
+
+namespace rp {
+
+std::string chrome_trace_json(const std::vector<TraceEvent> &events) {
+    using json = nlohmann::json;
+    constexpr int kHostPid = 1000; // far above any device index
+    json out = json::array();
+    out.push_back({{"name", "process_name"},
+                   {"ph", "M"},
+                   {"pid", kHostPid},
+                   {"args", {{"name", "host"}}}});
+    for (const TraceEvent &e : events) {
+        json event = {{"name", e.name},    {"ph", "X"},           {"ts", e.start_us},
+                      {"dur", e.duration_us}, {"tid", e.lane}};
+        if (e.device < 0) {
+            event["cat"] = "host";
+            event["pid"] = kHostPid;
+        } else {
+            event["cat"] = e.lane;
+            event["pid"] = e.device;
+            json args = {{"job", e.job}, {"stage", e.stage}, {"kind", e.kind}};
+            if (e.bytes >= 0)
+                args["bytes"] = e.bytes;
+            event["args"] = std::move(args);
+        }
+        out.push_back(std::move(event));
+    }
+    return json{{"traceEvents", std::move(out)}, {"displayTimeUnit", "ms"}}.dump();
+}
+
+} // namespace rp

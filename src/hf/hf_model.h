@@ -1,0 +1,39 @@
+// A Hugging Face causal LM as a RoundPipe model: the layers its config describes, the Hugging
+// Face name of each parameter, and weights moved between the model and a checkpoint directory.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/model.h"
+#include "hf/hf_checkpoint.h"
+#include "hf/hf_config.h"
+
+namespace rp {
+
+// What a model built from a Hugging Face config keeps for saving it back.
+struct HfModelInfo {
+    HfModelConfig config;
+    HfLayout layout; // of the checkpoint last loaded (single file when none was)
+    std::vector<std::string> tensor_names; // Hugging Face name of each parameter, store order
+};
+
+struct HfModel {
+    std::unique_ptr<Model> model;
+    std::unique_ptr<HfModelInfo> info;
+};
+
+// Builds the model `config` describes. With `dir`, its checkpoint is opened and every tensor
+// validated before the model (and its memory) exists, then installed; without, weights are
+// initialised from the seed as transformers does.
+HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options,
+                        const std::string *dir);
+
+// Replaces every weight by the checkpoint in `dir` (all validated first: on error nothing
+// changes); accumulated gradients are dropped. Later saves use that checkpoint's layout.
+void load_hf_weights(Model &model, HfModelInfo &info, const std::string &dir);
+
+// Writes the latest weights (synchronizes first) and config.json into `dir`.
+void save_hf_model(Model &model, const HfModelInfo &info, const std::string &dir);
+
+} // namespace rp
