@@ -4,7 +4,8 @@
 Per device, over the steady state (from the first compute to the last compute of the call):
   compute_idle_fraction     share of that window with no compute running on the device;
   weight_upload_hidden      share of weight-upload time that overlaps compute on the same device;
-  *_ms                      total time of each stream.
+  *_ms                      total time of each stream;
+  *_bytes                   bytes each transfer stream moved (the sum of its events' args.bytes).
 
     python3 bench/trace_summary.py trace.json
 """
@@ -28,12 +29,15 @@ def overlap(interval, merged):
 
 
 def summarise(events):
-    devices = {}
+    devices, moved = {}, {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") == "host":
             continue  # metadata and host spans: summarised below
         devices.setdefault(e["pid"], {}).setdefault(e["tid"], []).append(
             (e["ts"] / 1000.0, (e["ts"] + e["dur"]) / 1000.0))
+        if "bytes" in e.get("args", {}):  # transfers carry the bytes they moved
+            per_stream = moved.setdefault(e["pid"], {})
+            per_stream[e["tid"]] = per_stream.get(e["tid"], 0) + e["args"]["bytes"]
     out = {}
     for device, streams in sorted(devices.items()):
         compute = union(streams.get("compute", []))
@@ -50,6 +54,7 @@ def summarise(events):
             "weight_upload_hidden": round(hidden / weight_ms, 4) if weight_ms > 0 else None,
             **{f"{name}_ms": round(sum(b - a for a, b in spans), 3)
                for name, spans in sorted(streams.items())},
+            **{f"{name}_bytes": total for name, total in sorted(moved.get(device, {}).items())},
         }
     host = {}
     for e in events:

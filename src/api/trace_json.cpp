@@ -24,6 +24,8 @@ std::string chrome_trace_json(const std::vector<TraceEvent> &events) {
             json args = {{"job", e.job}, {"stage", e.stage}, {"kind", e.kind}};
             if (e.bytes >= 0)
                 args["bytes"] = e.bytes;
+            if (!e.content.empty())
+                args["content"] = e.content;
             event["args"] = std::move(args);
         }
         out.push_back(std::move(event));

@@ -25,7 +25,9 @@ class CpuLane final : public DeviceLane {
     }
     Transfer upload(const Transfer &from, size_t) override { return from; }
     void use(const Transfer &) override {}
-    Transfer download(const std::vector<at::Tensor> &t, size_t) override { return {t, nullptr}; }
+    Transfer download(const std::vector<at::Tensor> &t, size_t, Payload) override {
+        return {t, nullptr};
+    }
 
     void wait(const Transfer &) override {}
 

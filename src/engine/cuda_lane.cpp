@@ -74,7 +74,7 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(weights_);
         t.ready = end;
-        mark("weights", job, start, end, bytes_of(host));
+        mark("weights", job, start, end, bytes_of(host), "weights");
         return t;
     }
 
@@ -98,7 +98,7 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(activations_);
         t.ready = end;
-        mark("activation_upload", job, start, end, moved);
+        mark("activation_upload", job, start, end, moved, "activations");
         return t;
     }
 
@@ -107,7 +107,8 @@ class CudaLane final : public DeviceLane {
             std::static_pointer_cast<Event>(transfer.ready)->block(compute_);
     }
 
-    Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job) override {
+    Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job,
+                      Payload payload) override {
         auto computed = record(compute_);
         c10::cuda::CUDAStreamGuard guard(download_);
         computed->block(download_);
@@ -127,7 +128,8 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(download_);
         t.ready = end;
-        mark("download", job, start, end, moved);
+        mark("download", job, start, end, moved,
+             payload == Payload::Gradients ? "gradients" : "activations");
         return t;
     }
 
@@ -147,7 +149,7 @@ class CudaLane final : public DeviceLane {
         std::vector<TraceSpan> spans;
         for (const Mark &m : marks_)
             spans.push_back({m.what, m.job, zero_->elapsed_time(*m.start),
-                             zero_->elapsed_time(*m.end), m.bytes});
+                             zero_->elapsed_time(*m.end), m.bytes, m.content});
         marks_.clear();
         return spans;
     }
@@ -158,12 +160,13 @@ class CudaLane final : public DeviceLane {
         size_t job;
         std::shared_ptr<Event> start, end;
         int64_t bytes;
+        const char *content;
     };
 
     void mark(const char *what, size_t job, std::shared_ptr<Event> start,
-              std::shared_ptr<Event> end, int64_t bytes = -1) {
+              std::shared_ptr<Event> end, int64_t bytes = -1, const char *content = "") {
         std::lock_guard<std::mutex> lock(mutex_);
-        marks_.push_back({what, job, std::move(start), std::move(end), bytes});
+        marks_.push_back({what, job, std::move(start), std::move(end), bytes, content});
     }
 
     at::Device device_;

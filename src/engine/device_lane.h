@@ -23,7 +23,13 @@ struct TraceSpan {
     size_t job = 0;
     double start_ms = 0, end_ms = 0;
     int64_t bytes = -1; // transfers: bytes moved; -1 for compute
+    // What a transfer carries: "weights", "activations" or "gradients" (weight gradients);
+    // empty for compute.
+    std::string content;
 };
+
+// What a download carries, for the timing record.
+enum class Payload { Activations, Gradients };
 
 class DeviceLane {
   public:
@@ -44,7 +50,8 @@ class DeviceLane {
     // Makes the compute stream wait for a transfer.
     virtual void use(const Transfer &transfer) = 0;
     // Device tensors -> pinned host memory after the compute so far, on the download stream.
-    virtual Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job) = 0;
+    virtual Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job,
+                              Payload payload = Payload::Activations) = 0;
     // Any thread: blocks until a transfer has landed (for host code that reads its tensors).
     virtual void wait(const Transfer &transfer) = 0;
     // Brackets compute for the timing record.

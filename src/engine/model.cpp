@@ -463,6 +463,7 @@ std::vector<TraceEvent> Model::trace() const {
             e.job = job.job;
             e.stage = job.stage;
             e.bytes = span.bytes;
+            e.content = span.content;
             events.push_back(std::move(e));
         }
     for (const HostTimeline::Span &h : host) {

@@ -42,7 +42,7 @@ void download_grads(CallContext &ctx, const StageWeights &w, DeviceLane &lane, s
             index.push_back(leaf.first);
             grads.push_back(leaf.second.grad());
         }
-    Transfer host = lane.download(grads, job);
+    Transfer host = lane.download(grads, job, Payload::Gradients);
     std::vector<std::pair<size_t, at::Tensor>> out;
     for (size_t i = 0; i < index.size(); ++i)
         out.emplace_back(index[i], host.tensors[i]);

@@ -16,6 +16,7 @@ struct TraceEvent {
     size_t job = 0, stage = 0;
     std::string kind;
     int64_t bytes = -1; // transfers: bytes moved; -1 for compute and host events
+    std::string content; // transfers: "weights", "activations" or "gradients"
 };
 
 } // namespace rp

@@ -1,0 +1,47 @@
+// The command line of train_bench (bench/RESULTS.md lists the flags).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shape.h"
+
+namespace tb {
+
+struct Options {
+    std::string shape = "tiny";
+    // Resolved by parse_options: the flag's value, else the shape's default.
+    int64_t batch = -1, seq = -1, microbatches = -1;
+    std::string grain = "stage";
+    std::string dtype = "bf16";
+    std::string optim_dtype = "f32";
+    int steps = 8, warmup = 3;
+    int fb_only_steps = 2, opt_steps = 2;
+    std::string devices = "cuda";
+    int num_devices = 0;
+    bool baseline = true;
+    int baseline_steps = -1, baseline_warmup = 2;
+    int64_t baseline_microbatches = -1; // default: --microbatches
+    std::string trace_file;
+    std::string plan = "auto"; // auto | comma-separated layers per stage
+    double gpu_cap_gib = 0;
+    std::string pin = "alloc";
+    std::string host_memory = "standard";
+    double lr = 1e-4, weight_decay = 0.01;
+    uint64_t seed = 1;
+    bool host_check = true;
+    bool check = false;
+    std::string label;
+
+    const Shape &model_shape() const; // the shape named by `shape` (checked by parse_options)
+    int64_t tokens() const { return batch * seq; }
+    bool on_gpu() const { return devices == "cuda"; }
+    // Layers per stage of --plan; empty for auto. Throws std::logic_error for a bad list.
+    std::vector<int32_t> plan_counts() const;
+};
+
+// Parses and checks the command line; prints the usage and exits with 2 on a bad one.
+Options parse_options(int argc, char **argv);
+
+} // namespace tb

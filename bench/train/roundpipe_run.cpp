@@ -1,0 +1,246 @@
+#include "roundpipe_run.h"
+
+#include <roundpipe.h>
+
+#include <cmath>
+#include <fstream>
+#include <memory>
+
+#include "memory.h"
+#include "tokens.h"
+#include "util.h"
+
+namespace tb {
+namespace {
+
+struct ModelHandle {
+    rp_model *m = nullptr;
+    ~ModelHandle() { rp_model_destroy(m); }
+};
+struct LossHandle {
+    rp_loss *l = nullptr;
+    ~LossHandle() { rp_loss_destroy(l); }
+};
+struct OptHandle {
+    rp_optimizer *o = nullptr;
+    ~OptHandle() { rp_optimizer_destroy(o); }
+};
+using OptionsPtr = std::unique_ptr<rp_model_options, void (*)(rp_model_options *)>;
+using RunConfigPtr = std::unique_ptr<rp_run_config, void (*)(rp_run_config *)>;
+
+int32_t rp_dtype_of(const std::string &d) {
+    return d == "bf16" ? RP_DTYPE_BF16 : d == "f16" ? RP_DTYPE_F16 : RP_DTYPE_F32;
+}
+
+int32_t rp_pin_of(const std::string &p) {
+    return p == "alloc" ? RP_PIN_ALLOC : p == "register" ? RP_PIN_REGISTER : RP_PIN_OFF;
+}
+
+// The run configuration: microbatches and recompute grain.
+RunConfigPtr run_config(int64_t microbatches, const std::string &grain) {
+    rp_run_config *rc = nullptr;
+    RP_CHECK(rp_run_config_create(&rc));
+    RunConfigPtr guard(rc, rp_run_config_destroy);
+    RP_CHECK(rp_run_config_set_num_microbatch(rc, static_cast<int32_t>(microbatches)));
+    RP_CHECK(rp_run_config_set_recompute_grain(
+        rc, grain == "layer" ? RP_GRAIN_LAYER : RP_GRAIN_STAGE));
+    return guard;
+}
+
+// What the host state depends on: the dtypes and the host memory mode.
+OptionsPtr state_options(const Options &o, const std::string &name) {
+    rp_model_options *mo = nullptr;
+    RP_CHECK(rp_model_options_create(&mo));
+    OptionsPtr guard(mo, rp_model_options_destroy);
+    RP_CHECK(rp_model_options_set_model_dtype(mo, rp_dtype_of(o.dtype)));
+    RP_CHECK(rp_model_options_set_optim_dtype(mo, rp_dtype_of(o.optim_dtype)));
+    RP_CHECK(rp_model_options_set_seed(mo, o.seed));
+    RP_CHECK(rp_model_options_set_name(mo, name.c_str()));
+    RP_CHECK(rp_model_options_set_host_memory_mode(
+        mo, o.host_memory == "saving" ? RP_HOST_MEMORY_SAVING : RP_HOST_MEMORY_STANDARD));
+    return guard;
+}
+
+// The benchmark's model options: everything the command line sets.
+OptionsPtr bench_options(const Options &o) {
+    OptionsPtr mo = state_options(o, "bench-" + o.shape);
+    RP_CHECK(rp_model_options_set_devices(mo.get(), o.on_gpu() ? RP_DEVICE_CUDA : RP_DEVICE_CPU,
+                                          o.num_devices));
+    RP_CHECK(rp_model_options_set_pin_mode(mo.get(), rp_pin_of(o.pin)));
+    if (o.gpu_cap_gib > 0)
+        RP_CHECK(rp_model_options_set_gpu_memory_cap(
+            mo.get(), static_cast<int64_t>(o.gpu_cap_gib * 1073741824.0)));
+    const std::vector<int32_t> plan = o.plan_counts();
+    if (!plan.empty())
+        RP_CHECK(rp_model_options_set_stage_plan(mo.get(), plan.data(), plan.size()));
+    RP_CHECK(rp_model_options_set_run_config(mo.get(),
+                                             run_config(o.microbatches, o.grain).get()));
+    return mo;
+}
+
+// A model with its loss and optimizer, trained on the token stream both systems share.
+struct Session {
+    ModelHandle model;
+    LossHandle loss;
+    OptHandle opt;
+    TokenStream stream;
+    std::vector<int64_t> ids;
+    DlI64 ids_dl, labels_dl; // labels are the ids: token i is scored against token i + 1
+
+    Session(const Options &o, const Shape &s, int64_t batch, int64_t seq)
+        : stream(token_stream(o.seed, s.vocab)), ids(static_cast<size_t>(batch * seq)),
+          ids_dl(ids.data(), batch, seq), labels_dl(ids.data(), batch, seq) {
+        RP_CHECK(rp_loss_create(&loss.l, RP_LOSS_CAUSAL_LM));
+        RP_CHECK(rp_optimizer_create(&opt.o, RP_OPTIMIZER_ADAMW));
+        RP_CHECK(rp_optimizer_set_learning_rate(opt.o, o.lr));
+        RP_CHECK(rp_optimizer_set_weight_decay(opt.o, o.weight_decay));
+    }
+
+    void create(const Shape &s, const rp_model_options *mo) {
+        RP_CHECK(rp_model_create_from_hf_config(&model.m, hf_config_json(s).c_str(), mo));
+    }
+
+    // One forward_backward on the next batch; returns its loss.
+    double fb() {
+        stream.fill(ids);
+        const DLManagedTensor *inputs[1] = {&ids_dl.managed};
+        double l = 0;
+        RP_CHECK(rp_forward_backward(&l, nullptr, model.m, inputs, 1, &labels_dl.managed, loss.l,
+                                     nullptr));
+        return l;
+    }
+    void step(bool async) { RP_CHECK(rp_step(model.m, opt.o, async ? 1 : 0)); }
+};
+
+void create_model(RoundPipeRun &r, Session &sess, const Options &o) {
+    OptionsPtr mo = bench_options(o);
+    progress("roundpipe: creating the model (random weights on the host)");
+    auto t0 = Clock::now();
+    sess.create(o.model_shape(), mo.get());
+    r.create_ms = round_to(ms_since(t0), 1);
+    RP_CHECK(rp_model_num_devices(&r.num_devices, sess.model.m));
+    RP_CHECK(rp_model_num_layers(&r.num_layers, sess.model.m));
+    RP_CHECK(rp_model_gpu_memory_cap(&r.gpu_memory_cap, sess.model.m));
+    r.created = true;
+}
+
+void warm_up(RoundPipeRun &r, Session &sess, const Options &o) {
+    for (int i = 0; i < o.warmup; ++i) {
+        auto t0 = Clock::now();
+        r.losses.push_back(sess.fb());
+        sess.step(true);
+        progress("roundpipe warm-up " + std::to_string(i + 1) + "/" + std::to_string(o.warmup) +
+                 ": " + std::to_string(ms_since(t0)) + " ms, loss " +
+                 std::to_string(r.losses.back()));
+    }
+}
+
+// Steady state: each iteration is forward_backward (the previous step running meanwhile on the
+// optimizer thread) plus rp_step, which first waits for that previous step: the time spent
+// inside rp_step is the optimizer time the GPU work did not hide.
+void timed_loop(RoundPipeRun &r, Session &sess, const Options &o) {
+    auto t_loop = Clock::now();
+    for (int i = 0; i < o.steps; ++i) {
+        auto t0 = Clock::now();
+        r.losses.push_back(sess.fb());
+        r.fb_ms.push_back(ms_since(t0));
+        auto t1 = Clock::now();
+        sess.step(true);
+        r.step_ms.push_back(ms_since(t1));
+        progress("roundpipe step " + std::to_string(i + 1) + "/" + std::to_string(o.steps) +
+                 ": forward_backward " + std::to_string(r.fb_ms.back()) + " ms, rp_step " +
+                 std::to_string(r.step_ms.back()) + " ms, loss " +
+                 std::to_string(r.losses.back()));
+    }
+    r.loop_ms = ms_since(t_loop);
+}
+
+// The timing record of the last call and the plan it ran with (after the engine's re-plan).
+void ask_plan_and_trace(RoundPipeRun &r, const Session &sess) {
+    const char *text = nullptr;
+    RP_CHECK(rp_model_trace_json(&text, sess.model.m));
+    r.trace_json = text ? text : "";
+    int32_t stages = 0;
+    RP_CHECK(rp_model_stage_plan(nullptr, &stages, 0, sess.model.m));
+    r.plan.assign(static_cast<size_t>(stages), 0);
+    RP_CHECK(rp_model_stage_plan(r.plan.data(), &stages, stages, sess.model.m));
+}
+
+// The same calls without an optimizer step in flight. Each starts from zeroed gradients, as in
+// the timed loop (one call per step): calls that add to earlier gradients take another path in
+// the engine (their contributions are held back until the call succeeds). Then the optimizer
+// step alone: a synchronous rp_step returns once the update, the model-dtype copy of the new
+// weights and the gradient reset are done.
+void isolated_phases(RoundPipeRun &r, Session &sess, const Options &o) {
+    RP_CHECK(rp_synchronize(sess.model.m));
+    for (int i = 0; i < o.fb_only_steps; ++i) {
+        RP_CHECK(rp_zero_grad(sess.model.m));
+        auto t0 = Clock::now();
+        sess.fb();
+        r.fb_only_ms.push_back(ms_since(t0));
+        progress("roundpipe forward_backward alone " + std::to_string(i + 1) + "/" +
+                 std::to_string(o.fb_only_steps) + ": " + std::to_string(r.fb_only_ms.back()) +
+                 " ms");
+    }
+    for (int i = 0; i < o.opt_steps; ++i) {
+        auto t0 = Clock::now();
+        sess.step(false);
+        r.opt_ms.push_back(ms_since(t0));
+        progress("roundpipe optimizer step alone " + std::to_string(i + 1) + "/" +
+                 std::to_string(o.opt_steps) + ": " + std::to_string(r.opt_ms.back()) + " ms");
+    }
+    RP_CHECK(rp_synchronize(sess.model.m));
+}
+
+void write_trace(const std::string &file, const std::string &text) {
+    std::ofstream f(file);
+    f << text;
+    if (!f)
+        throw BenchError("cannot write the trace to " + file);
+}
+
+} // namespace
+
+void run_roundpipe(RoundPipeRun &r, const Options &o, int num_gpus) {
+    const bool on_gpu = o.on_gpu();
+    Session sess(o, o.model_shape(), o.batch, o.seq);
+    create_model(r, sess, o);
+    if (on_gpu)
+        gpu_reset_peak(num_gpus);
+    warm_up(r, sess, o);
+    r.peak_gpu_warmup = on_gpu ? gpu_peak(num_gpus) : -1;
+    if (on_gpu)
+        gpu_reset_peak(num_gpus);
+    timed_loop(r, sess, o);
+    r.peak_gpu_steady = on_gpu ? gpu_peak(num_gpus) : -1;
+    ask_plan_and_trace(r, sess);
+    isolated_phases(r, sess, o);
+    r.peak_rss = peak_rss_bytes();
+    RP_CHECK(rp_model_host_state_bytes(&r.host_state_bytes, &r.host_state_elements, sess.model.m));
+    if (!o.trace_file.empty())
+        write_trace(o.trace_file, r.trace_json);
+    r.finished = true;
+    for (double l : r.losses)
+        if (!std::isfinite(l))
+            throw BenchError("RoundPipe loss is not finite: " + std::to_string(l));
+}
+
+double engine_host_bytes_per_param(const Options &o) {
+    const Shape &tiny = *find_shape("tiny");
+    OptionsPtr mo = state_options(o, "bench-host-probe");
+    RP_CHECK(rp_model_options_set_devices(mo.get(), RP_DEVICE_CPU, 1));
+    RP_CHECK(rp_model_options_set_grad_scaler(mo.get(), 0.0, 1)); // no skipped step (f16)
+    RP_CHECK(rp_model_options_set_run_config(mo.get(), run_config(1, "stage").get()));
+    Session sess(o, tiny, 1, 8);
+    sess.create(tiny, mo.get());
+    sess.fb();
+    sess.step(false);
+    RP_CHECK(rp_synchronize(sess.model.m));
+    int64_t bytes = 0, elements = 0;
+    RP_CHECK(rp_model_host_state_bytes(&bytes, &elements, sess.model.m));
+    if (elements <= 0)
+        throw BenchError("rp_model_host_state_bytes counted no parameters");
+    return static_cast<double>(bytes) / static_cast<double>(elements);
+}
+
+} // namespace tb

@@ -1,0 +1,39 @@
+// The model shapes train_bench trains (public config.json of each Qwen3 model; `tiny` for CPU
+// smoke runs), their parameter and FLOP counts, and the Hugging Face config given to the engine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tb {
+
+struct Shape {
+    std::string name;
+    int64_t hidden, layers, heads, kv_heads, head_dim, intermediate, vocab;
+    bool tied;
+    // Defaults used when --batch/--seq/--microbatches are not given.
+    int64_t batch, seq, microbatches;
+};
+
+// The shape called `name`, or nullptr.
+const Shape *find_shape(const std::string &name);
+
+// "tiny|qwen3-0.6b|..." for the usage text.
+std::string shape_names();
+
+// Every parameter with a master weight of its own (the tied LM head counts once).
+int64_t total_params(const Shape &s);
+
+// Parameters that take part in a matrix multiply per token: all but the input embedding table,
+// which is a gather, unless it is tied to the LM head (then it is the LM head's matmul).
+int64_t flop_params(const Shape &s);
+
+// QK^T and AV of a causal sequence touch T^2/2 query-key pairs per head, 2 multiply-adds of
+// head_dim each: forward 2 * T^2 * heads * head_dim flops per layer and sequence (backward is
+// twice the forward, recompute once more).
+double attention_forward_flops(const Shape &s, int64_t batch, int64_t seq);
+
+// config.json of a Qwen3ForCausalLM of this shape, for rp_model_create_from_hf_config.
+std::string hf_config_json(const Shape &s);
+
+} // namespace tb
