@@ -13,6 +13,8 @@
      python  bindings/python/roundpipe/_capi.py            (ctypes, read with ast)
      julia   bindings/julia/RoundPipe.jl/src/LibRoundPipe.jl (ccall, read as text)
      rust    bindings/rust/roundpipe-sys/src/lib.rs        (extern "C", read as tokens)
+   Each binding's ABI version constant (Python ABI_VERSION, Julia and Rust RP_ABI_VERSION) must
+   equal the header's RP_ABI_VERSION, the one source of the ABI version.
 
 Every problem is printed as `<binding>: <function or type>: <difference> [file:line]`.
 Exit status: 0 all agree, 1 a convention or a binding disagrees, 2 the gate could not run.

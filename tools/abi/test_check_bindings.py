@@ -328,6 +328,142 @@ class GateCatchesBrokenBindings(unittest.TestCase):
         self.check("julia", edit, "julia: rp_zero_grad: ccall passes 2 arguments for 1 argument types")
 
 
+# --- One source for the ABI version ----------------------------------------------------------
+
+def header_abi_version(path=HEADER):
+    with open(path, encoding="utf-8") as f:
+        m = re.search(r"^#define RP_ABI_VERSION (\d+)$", f.read(), re.M)
+    assert m, "the header has no '#define RP_ABI_VERSION <number>' line"
+    return int(m.group(1))
+
+
+# Each binding's ABI version constant, as it is spelled in its file.
+ABI_CONSTANT_LINES = {
+    "python": (r"^ABI_VERSION = (\d+)$", "ABI_VERSION = %d", "ABI_VERSION"),
+    "julia": (r"^const RP_ABI_VERSION = (\d+)$", "const RP_ABI_VERSION = %d", "RP_ABI_VERSION"),
+    "rust": (r"^pub const RP_ABI_VERSION: i32 = (\d+);$", "pub const RP_ABI_VERSION: i32 = %d;",
+             "RP_ABI_VERSION"),
+}
+
+
+def set_abi_constant(binding, value):
+    """An edit setting `binding`'s ABI version constant to `value`."""
+    pattern, spelling, _ = ABI_CONSTANT_LINES[binding]
+
+    def edit(src):
+        new, n = re.subn(pattern, spelling % value, src, count=1, flags=re.M)
+        assert n == 1, "no ABI version constant in the %s binding" % binding
+        return new
+    return edit
+
+
+class AbiVersionCheckUnit(unittest.TestCase):
+    """check_abi_version alone, on hand-made declarations (no swig needed)."""
+
+    class FakeHeader:
+        def __init__(self, version):
+            self.constants = {"RP_ABI_VERSION": version}
+
+        def define_line(self, name):
+            return 837
+
+    def binding(self, name, constant, value):
+        from abigate.binding import Binding
+        from abigate.abitypes import Policy
+        b = Binding(name=name, path=name, policy=Policy(), abi_constant=constant)
+        if value is not None:
+            b.constants[constant] = (value, 34)
+        return b
+
+    def test_equal_values_pass(self):
+        from abigate.binding import check_abi_version
+        self.assertIsNone(check_abi_version(self.FakeHeader(3),
+                                            self.binding("python", "ABI_VERSION", 3)))
+
+    def test_a_wrong_value_fails_naming_both_values(self):
+        from abigate.binding import check_abi_version
+        subject, msg, line = check_abi_version(self.FakeHeader(3),
+                                               self.binding("julia", "RP_ABI_VERSION", 2))
+        self.assertEqual(subject, "RP_ABI_VERSION")
+        self.assertEqual(line, 34)
+        self.assertIn("ABI version is 2, the header's RP_ABI_VERSION is 3 "
+                      "(include/roundpipe.h:837)", msg)
+        self.assertIn("set RP_ABI_VERSION to 3", msg)
+
+    def test_a_missing_constant_fails(self):
+        from abigate.binding import check_abi_version
+        subject, msg, _ = check_abi_version(self.FakeHeader(3),
+                                            self.binding("python", "ABI_VERSION", None))
+        self.assertEqual(subject, "ABI_VERSION")
+        self.assertIn("missing ABI version constant: declare ABI_VERSION = 3", msg)
+
+
+@unittest.skipUnless(HAVE_SWIG, "swig is not installed")
+class GateChecksAbiVersion(unittest.TestCase):
+    """Every binding's ABI version constant equals the header's RP_ABI_VERSION."""
+
+    def wrong_value_fails(self, binding):
+        if not os.path.exists(PATHS[binding]):
+            self.skipTest("%s binding not written yet" % binding)
+        want = header_abi_version()
+        _, _, constant = ABI_CONSTANT_LINES[binding]
+        with _BrokenCopy(binding, set_abi_constant(binding, want + 1)) as path:
+            status, err = gate(**{binding: path})
+        self.assertEqual(status, 1, "the gate passed a wrong %s ABI version" % binding)
+        self.assertIn("%s: %s: ABI version is %d, the header's RP_ABI_VERSION is %d"
+                      % (binding, constant, want + 1, want), err)
+        self.assertIn(os.path.basename(PATHS[binding]), err)
+        # Reported once, not also as an ordinary constant.
+        self.assertNotIn("constant is %d" % (want + 1), err)
+
+    def test_python_wrong_abi_version(self):
+        self.wrong_value_fails("python")
+
+    def test_julia_wrong_abi_version(self):
+        self.wrong_value_fails("julia")
+
+    def test_rust_wrong_abi_version(self):
+        self.wrong_value_fails("rust")
+
+    def test_python_missing_abi_version(self):
+        def edit(src):
+            new, n = re.subn(r"^ABI_VERSION = \d+$", "ABI_VERSION = library_abi_version()", src,
+                             count=1, flags=re.M)
+            assert n == 1
+            return new
+        with _BrokenCopy("python", edit) as path:
+            status, err = gate(python=path)
+        self.assertEqual(status, 1)
+        self.assertIn("python: ABI_VERSION: missing ABI version constant: declare "
+                      "ABI_VERSION = %d" % header_abi_version(), err)
+
+    def test_header_bump_fails_every_binding_until_they_follow(self):
+        want = header_abi_version() + 1
+        with open(HEADER, encoding="utf-8") as f:
+            src = f.read()
+        new = re.sub(r"^#define RP_ABI_VERSION \d+$", "#define RP_ABI_VERSION %d" % want, src,
+                     count=1, flags=re.M)
+        with tempfile.TemporaryDirectory() as tmp:
+            header = os.path.join(tmp, "roundpipe.h")
+            with open(header, "w", encoding="utf-8") as f:
+                f.write(new)
+            status, err = gate(header=header, **PATHS)
+            self.assertEqual(status, 1)
+            for binding, (_, _, constant) in ABI_CONSTANT_LINES.items():
+                self.assertIn("%s: %s: ABI version is %d, the header's RP_ABI_VERSION is %d"
+                              % (binding, constant, want - 1, want), err)
+            # Bindings that follow the header pass this check.
+            copies = {}
+            for binding in ABI_CONSTANT_LINES:
+                with open(PATHS[binding], encoding="utf-8") as f:
+                    text = set_abi_constant(binding, want)(f.read())
+                copies[binding] = os.path.join(tmp, os.path.basename(PATHS[binding]))
+                with open(copies[binding], "w", encoding="utf-8") as f:
+                    f.write(text)
+            status, err = gate(header=header, **copies)
+            self.assertNotIn("ABI version", err)
+
+
 # --- The header's conventions ---------------------------------------------------------------
 
 @unittest.skipUnless(HAVE_SWIG, "swig is not installed")

@@ -30,6 +30,9 @@ class Binding:
     require_structs: bool = False  # every non-opaque header struct must be declared
     require_constants: bool = False  # every header enumerator / macro must be declared
     require_callbacks: bool = False  # every callback typedef must be declared by name
+    # Name of the constant holding the ABI version the binding was written for (compared with
+    # rp_abi_version() at load); it must equal the header's RP_ABI_VERSION.
+    abi_constant: Optional[str] = None
 
     def add_function(self, f):
         if f.name in self.functions:
@@ -42,9 +45,32 @@ def _sig(name, ret, params):
     return "%s %s(%s)" % (render(ret), name, ", ".join(render(p) for p in params) or "void")
 
 
+ABI_MACRO = "RP_ABI_VERSION"
+
+
+def check_abi_version(hdr, b):
+    """(subject, message, line) when binding `b`'s ABI version constant is missing or differs
+    from the header's RP_ABI_VERSION, the one source of the ABI version; else None."""
+    want = hdr.constants.get(ABI_MACRO)
+    if b.abi_constant is None or want is None:  # a header without the macro: conventions say so
+        return None
+    where = "include/roundpipe.h:%d" % hdr.define_line(ABI_MACRO)
+    if b.abi_constant not in b.constants:
+        return (b.abi_constant, "missing ABI version constant: declare %s = %d, the header's "
+                "%s (%s), which is its one source" % (b.abi_constant, want, ABI_MACRO, where), 0)
+    got, line = b.constants[b.abi_constant]
+    if got != want:
+        return (b.abi_constant, "ABI version is %d, the header's %s is %d (%s), which is its one "
+                "source: set %s to %d" % (got, ABI_MACRO, want, where, b.abi_constant, want), line)
+    return None
+
+
 def compare(hdr, b):
     """List of (subject, message, line) where binding `b` disagrees with header `hdr`."""
     out = list(b.problems)
+    abi = check_abi_version(hdr, b)
+    if abi is not None:
+        out.append(abi)
     pol = b.policy
 
     for name, cf in hdr.functions.items():
@@ -108,6 +134,8 @@ def compare(hdr, b):
 
     # Constants named as in the header carry the header's values.
     for cname, (val, line) in b.constants.items():
+        if cname == b.abi_constant:
+            continue  # check_abi_version's job
         if cname in hdr.constants:
             if hdr.constants[cname] != val:
                 out.append((cname, "constant is %d, the header says %d"
@@ -116,7 +144,7 @@ def compare(hdr, b):
             out.append((cname, "extra constant: not in the header", line))
     if b.require_constants:
         for cname in hdr.constants:
-            if cname not in b.constants:
+            if cname not in b.constants and cname != b.abi_constant:
                 out.append((cname, "missing constant (the header says %d)"
                             % hdr.constants[cname], 0))
     return out

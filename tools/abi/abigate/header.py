@@ -80,6 +80,12 @@ class Header:
         m = re.search(r"\b%s\s*\(" % re.escape(name), text)
         return text.count("\n", 0, m.start()) + 1 if m else 0
 
+    def define_line(self, name):
+        """Line of `#define name ...` (0 when absent)."""
+        m = re.search(r"^[ \t]*#[ \t]*define[ \t]+%s\b" % re.escape(name),
+                      _strip_c_comments(self.text), re.M)
+        return self.text.count("\n", 0, m.start()) + 1 if m else 0
+
 
 def default_header():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

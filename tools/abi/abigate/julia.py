@@ -149,7 +149,8 @@ def parse_julia(path, name="julia"):
     with open(path, encoding="utf-8") as f:
         raw = f.read()
     text = _strip_comments(raw)
-    b = Binding(name=name, path=path, policy=POLICY, require_structs=True, require_constants=True)
+    b = Binding(name=name, path=path, policy=POLICY, require_structs=True, require_constants=True,
+                abi_constant="RP_ABI_VERSION")
 
     def line_at(pos):
         return text.count("\n", 0, pos) + 1

@@ -155,7 +155,7 @@ def _norm_proto(s):
 def parse_python(path, hdr, name="python"):
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    b = Binding(name=name, path=path, policy=POLICY)
+    b = Binding(name=name, path=path, policy=POLICY, abi_constant="ABI_VERSION")
     b.warnings = []
     try:
         tree = ast.parse(source, filename=path)

@@ -245,7 +245,8 @@ def parse_rust(path, name="rust"):
     with open(path, encoding="utf-8") as f:
         text = f.read()
     b = Binding(name=name, path=path, policy=POLICY, require_structs=True,
-                require_constants=True, require_callbacks=True)
+                require_constants=True, require_callbacks=True,
+                abi_constant="RP_ABI_VERSION")
     r = _Reader(tokenize(text))
     aliases, raw_structs, raw_fns, raw_consts = {}, {}, [], []
     opaque = set()

@@ -295,6 +295,30 @@ rp_run_config_set_merge_output(config, merge) =
           (Ptr{rp_run_config}, Int32),
           config, merge)
 
+# rp_status rp_run_config_get_num_microbatch(int32_t *out_num_microbatch, const rp_run_config *config);
+rp_run_config_get_num_microbatch(out_num_microbatch, config) =
+    ccall((:rp_run_config_get_num_microbatch, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{rp_run_config}),
+          out_num_microbatch, config)
+
+# rp_status rp_run_config_get_recompute_grain(int32_t *out_grain, const rp_run_config *config);
+rp_run_config_get_recompute_grain(out_grain, config) =
+    ccall((:rp_run_config_get_recompute_grain, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{rp_run_config}),
+          out_grain, config)
+
+# rp_status rp_run_config_get_output_device(int32_t *out_device_type, int32_t *out_device_id, const rp_run_config *config);
+rp_run_config_get_output_device(out_device_type, out_device_id, config) =
+    ccall((:rp_run_config_get_output_device, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Int32}, Ptr{rp_run_config}),
+          out_device_type, out_device_id, config)
+
+# rp_status rp_run_config_get_merge_output(int32_t *out_merge, const rp_run_config *config);
+rp_run_config_get_merge_output(out_merge, config) =
+    ccall((:rp_run_config_get_merge_output, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{rp_run_config}),
+          out_merge, config)
+
 # rp_status rp_model_options_create(rp_model_options **out_options);
 rp_model_options_create(out_options) =
     ccall((:rp_model_options_create, libroundpipe()), rp_status,
@@ -400,6 +424,18 @@ rp_model_num_devices(out_count, model) =
           (Ptr{Int32}, Ptr{rp_model}),
           out_count, model)
 
+# rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
+rp_model_stage_plan(out_layers_per_stage, out_num_stages, capacity, model) =
+    ccall((:rp_model_stage_plan, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Int32}, Int32, Ptr{rp_model}),
+          out_layers_per_stage, out_num_stages, capacity, model)
+
+# rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
+rp_model_resolve_run_config(out_config, model, call) =
+    ccall((:rp_model_resolve_run_config, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_run_config}}, Ptr{rp_model}, Ptr{rp_run_config}),
+          out_config, model, call)
+
 # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
 rp_model_step_count(out_count, model) =
     ccall((:rp_model_step_count, libroundpipe()), rp_status,
@@ -459,6 +495,12 @@ rp_tensor_list_destroy(list) =
     ccall((:rp_tensor_list_destroy, libroundpipe()), Cvoid,
           (Ptr{rp_tensor_list},),
           list)
+
+# rp_status rp_split_microbatches(rp_tensor_list **out_pieces, const DLManagedTensor *tensor, int32_t dim, int32_t num_microbatch);
+rp_split_microbatches(out_pieces, tensor, dim, num_microbatch) =
+    ccall((:rp_split_microbatches, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_tensor_list}}, Ptr{DLManagedTensor}, Int32, Int32),
+          out_pieces, tensor, dim, num_microbatch)
 
 # rp_status rp_loss_create(rp_loss **out_loss, int32_t kind);
 rp_loss_create(out_loss, kind) =
@@ -572,6 +614,12 @@ rp_param_find(out_index, model, name) =
     ccall((:rp_param_find, libroundpipe()), rp_status,
           (Ptr{Csize_t}, Ptr{rp_model}, Cstring),
           out_index, model, name)
+
+# rp_status rp_param_hf_name(const char **out_name, const rp_model *model, size_t index);
+rp_param_hf_name(out_name, model, index) =
+    ccall((:rp_param_hf_name, libroundpipe()), rp_status,
+          (Ptr{Cstring}, Ptr{rp_model}, Csize_t),
+          out_name, model, index)
 
 # rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity, const rp_model *model, size_t index);
 rp_param_shape(out_shape, out_ndim, capacity, model, index) =

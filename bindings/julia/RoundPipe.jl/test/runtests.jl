@@ -268,6 +268,170 @@ end
     @test_throws RoundPipeError Model(Example.SPEC; devices=:cpu, host_memory=:low)
 end
 
+# --- What the engine decided, asked (mirrors bindings/rust/roundpipe/tests/queries.rs) ------
+
+@testset "stage plan: the explicit plan, else one covering every layer once" begin
+    for plan in ([1, 3], [2, 1, 1], [4])
+        Model(Example.SPEC; devices=:cpu, num_devices=2, stage_plan=plan) do m
+            @test stage_plan(m) == plan
+            @test num_stages(m) == length(plan)
+        end
+    end
+    for n in 1:3
+        Model(Example.SPEC; devices=:cpu, num_devices=n) do m
+            plan = stage_plan(m)
+            @test length(plan) == num_stages(m)
+            @test all(>(0), plan)
+            @test sum(plan) == num_layers(m) == 4
+        end
+    end
+end
+
+@testset "run config getters: nothing when unset, else what was set" begin
+    RunConfig() do c
+        @test num_microbatch(c) === nothing && recompute_grain(c) === nothing
+        @test output_device(c) === nothing && merge_output(c) === nothing
+    end
+    RunConfig(; num_microbatch=6, recompute_grain=:layer, output_device=:cpu,
+              merge_output=false) do c
+        @test num_microbatch(c) == 6 && recompute_grain(c) == :layer
+        @test output_device(c) == :cpu && merge_output(c) == false
+    end
+end
+
+@testset "resolved run config: the header's defaults, num_microbatch devices + 1" begin
+    for n in 1:3
+        Model(Example.SPEC; devices=:cpu, num_devices=n) do m
+            @test num_devices(m) == n
+            r = resolve_run_config(m)
+            @test num_microbatch(r) == n + 1
+            @test recompute_grain(r) == :stage && output_device(r) == :cpu
+            @test merge_output(r) == true
+            close(r)
+        end
+    end
+end
+
+@testset "resolved run config: the call's values over the model's" begin
+    Model(Example.SPEC; devices=:cpu, num_devices=2, num_microbatch=4) do m
+        r = resolve_run_config(m)
+        @test num_microbatch(r) == 4
+        close(r)
+        RunConfig(; num_microbatch=5, recompute_grain=:layer) do call
+            r = resolve_run_config(m, call)
+            @test num_microbatch(r) == 5 && recompute_grain(r) == :layer
+            @test merge_output(r) == true
+            close(r)
+        end
+        RunConfig(; merge_output=false) do call
+            r = resolve_run_config(m, call)
+            @test num_microbatch(r) == 4 && merge_output(r) == false
+            @test num_microbatch(call) === nothing  # the call's own configuration is unchanged
+            close(r)
+        end
+    end
+end
+
+const QWEN3 = """{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 40, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "tie_word_embeddings": false,
+    "dtype": "float32"}"""
+
+const LLAMA_TIED = """{"architectures": ["LlamaForCausalLM"], "vocab_size": 40,
+    "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": true,
+    "torch_dtype": "float32"}"""
+
+# transformers' Qwen3ForCausalLM(config).named_parameters() for QWEN3, written out.
+const QWEN3_HF_NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.self_attn.q_norm.weight",
+    "model.layers.0.self_attn.k_norm.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.layers.1.self_attn.q_proj.weight",
+    "model.layers.1.self_attn.k_proj.weight",
+    "model.layers.1.self_attn.v_proj.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.layers.1.self_attn.q_norm.weight",
+    "model.layers.1.self_attn.k_norm.weight",
+    "model.layers.1.mlp.gate_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.layers.1.input_layernorm.weight",
+    "model.layers.1.post_attention_layernorm.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+]
+
+# The same for LLAMA_TIED: no q/k norms, no lm_head.weight (tied to the embedding).
+const LLAMA_TIED_HF_NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.norm.weight",
+]
+
+# The header's rule from our name to the Hugging Face one: "0.weight" is the embedding,
+# "<i>.<name>" of decoder layer i is "model.layers.<i - 1>.<name>", then the norm and the head.
+function hf_name_by_the_headers_rule(ours, num_decoder_layers)
+    layer, loc = split(ours, '.'; limit=2)
+    l = parse(Int, layer)
+    l == 0 && return "model.embed_tokens.$loc"
+    l <= num_decoder_layers && return "model.layers.$(l - 1).$loc"
+    l == num_decoder_layers + 1 && return "model.norm.$loc"
+    return "lm_head.$loc"
+end
+
+@testset "hf names of tiny Qwen3 / tied Llama configs are transformers' names" begin
+    for (config, expected, layers) in ((QWEN3, QWEN3_HF_NAMES, 2),
+                                       (LLAMA_TIED, LLAMA_TIED_HF_NAMES, 1))
+        Model(; hf_config=config, devices=:cpu, num_devices=2) do m
+            names = [param_hf_name(m, i) for i in 1:param_count(m)]
+            @test names == expected
+            @test names == [hf_name_by_the_headers_rule(param_name(m, i), layers)
+                            for i in 1:param_count(m)]
+        end
+    end
+    Model(Example.SPEC; devices=:cpu) do m
+        e = try param_hf_name(m, 1); nothing catch err; err end
+        @test e isa RoundPipeError && e.status == L.RP_ERR_STATE
+    end
+    @test_throws RoundPipeError Model(; devices=:cpu)  # neither a spec nor a config
+end
+
+@testset "split_microbatches: the engine's rule, tensor_split sizes" begin
+    a = Float32.(reshape(0:9, 2, 5))  # the C tensor [5, 2]: 5 rows
+    @test split_microbatches(a, 2) == [a[:, 1:3], a[:, 4:5]]  # 3 rows, then 2
+    @test split_microbatches(a, 2; dim=1) == [a[1:1, :], a[2:2, :]]  # strided pieces, copied
+    @test split_microbatches(a, 3; dim=:replicate) == [a, a, a]
+    @test split_microbatches(fill(2.5f0), 2) == [fill(2.5f0), fill(2.5f0)]  # 0-d: replicated
+    @test_throws RoundPipeError split_microbatches(a, 6)  # fewer rows than microbatches
+    @test_throws RoundPipeError split_microbatches(a, 2; dim=2)  # no such dimension
+end
+
+@testset "every handle type has the do-block form" begin
+    @test Optimizer(o -> o.kind, :sgd; lr=0.1) == :sgd
+    @test Loss(l -> l.ptr != C_NULL, :mse) == true
+    kept = Loss(identity, :mse)  # the block's value is returned; the handle is closed
+    @test kept.ptr == C_NULL
+    @test RunConfig(num_microbatch; num_microbatch=3) == 3
+end
+
 @testset "close is idempotent and closed handles are refused" begin
     m = Model("""{"layers":[{"type":"linear","in":4,"out":2}]}"""; devices=:cpu)
     close(m)

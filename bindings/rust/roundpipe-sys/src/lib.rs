@@ -264,6 +264,23 @@ extern "C" {
         user_data: *mut c_void,
     ) -> rp_status;
     pub fn rp_run_config_set_merge_output(config: *mut rp_run_config, merge: i32) -> rp_status;
+    pub fn rp_run_config_get_num_microbatch(
+        out_num_microbatch: *mut i32,
+        config: *const rp_run_config,
+    ) -> rp_status;
+    pub fn rp_run_config_get_recompute_grain(
+        out_grain: *mut i32,
+        config: *const rp_run_config,
+    ) -> rp_status;
+    pub fn rp_run_config_get_output_device(
+        out_device_type: *mut i32,
+        out_device_id: *mut i32,
+        config: *const rp_run_config,
+    ) -> rp_status;
+    pub fn rp_run_config_get_merge_output(
+        out_merge: *mut i32,
+        config: *const rp_run_config,
+    ) -> rp_status;
 
     // Model options and model lifetime
     pub fn rp_model_options_create(out_options: *mut *mut rp_model_options) -> rp_status;
@@ -321,6 +338,17 @@ extern "C" {
     pub fn rp_model_num_layers(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_num_stages(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_num_devices(out_count: *mut i32, model: *const rp_model) -> rp_status;
+    pub fn rp_model_stage_plan(
+        out_layers_per_stage: *mut i32,
+        out_num_stages: *mut i32,
+        capacity: i32,
+        model: *const rp_model,
+    ) -> rp_status;
+    pub fn rp_model_resolve_run_config(
+        out_config: *mut *mut rp_run_config,
+        model: *const rp_model,
+        call: *const rp_run_config,
+    ) -> rp_status;
     pub fn rp_model_step_count(out_count: *mut i64, model: *const rp_model) -> rp_status;
     pub fn rp_model_grad_scale(
         out_scale: *mut c_double,
@@ -349,6 +377,12 @@ extern "C" {
         index: usize,
     ) -> rp_status;
     pub fn rp_tensor_list_destroy(list: *mut rp_tensor_list);
+    pub fn rp_split_microbatches(
+        out_pieces: *mut *mut rp_tensor_list,
+        tensor: *const DLManagedTensor,
+        dim: i32,
+        num_microbatch: i32,
+    ) -> rp_status;
 
     // Losses
     pub fn rp_loss_create(out_loss: *mut *mut rp_loss, kind: i32) -> rp_status;
@@ -420,6 +454,11 @@ extern "C" {
         out_index: *mut usize,
         model: *const rp_model,
         name: *const c_char,
+    ) -> rp_status;
+    pub fn rp_param_hf_name(
+        out_name: *mut *const c_char,
+        model: *const rp_model,
+        index: usize,
     ) -> rp_status;
     pub fn rp_param_shape(
         out_shape: *mut i64,

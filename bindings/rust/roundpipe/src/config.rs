@@ -6,6 +6,7 @@ use std::ptr::NonNull;
 use roundpipe_sys as sys;
 
 use crate::error::{check, Error, Result};
+use crate::tensor::Device;
 
 /// Which kind of device runs the stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,9 +87,28 @@ impl HostMemoryMode {
 /// Granularity of activation recomputation in backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecomputeGrain {
+    /// Inherit / the built-in default (stage); what an unset configuration reports.
     Default,
     Stage,
     Layer,
+}
+
+impl RecomputeGrain {
+    fn code(self) -> i32 {
+        match self {
+            RecomputeGrain::Default => sys::RP_GRAIN_DEFAULT,
+            RecomputeGrain::Stage => sys::RP_GRAIN_STAGE,
+            RecomputeGrain::Layer => sys::RP_GRAIN_LAYER,
+        }
+    }
+
+    fn from_code(code: i32) -> RecomputeGrain {
+        match code {
+            sys::RP_GRAIN_STAGE => RecomputeGrain::Stage,
+            sys::RP_GRAIN_LAYER => RecomputeGrain::Layer,
+            _ => RecomputeGrain::Default,
+        }
+    }
 }
 
 /// How an input (or the labels) is split into microbatches.
@@ -101,7 +121,7 @@ pub enum Split {
 }
 
 impl Split {
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         match self {
             Split::Dim(d) => d,
             Split::Replicate => sys::RP_SPLIT_REPLICATE,
@@ -127,12 +147,18 @@ impl RunConfig {
         let mut p = std::ptr::null_mut();
         // SAFETY: p is a valid out-pointer.
         check(unsafe { sys::rp_run_config_create(&mut p) })?;
-        NonNull::new(p).map(|ptr| RunConfig { ptr }).ok_or_else(|| {
-            Error::new(
-                crate::Status::Internal,
-                "rp_run_config_create returned NULL",
-            )
-        })
+        // SAFETY: a new configuration we own.
+        unsafe { RunConfig::from_raw(p, "rp_run_config_create") }
+    }
+
+    /// Own the configuration `p` (NULL is an internal error naming `from`).
+    ///
+    /// # Safety
+    /// `p` is NULL or a configuration nobody else frees.
+    pub(crate) unsafe fn from_raw(p: *mut sys::rp_run_config, from: &str) -> Result<RunConfig> {
+        NonNull::new(p)
+            .map(|ptr| RunConfig { ptr })
+            .ok_or_else(|| Error::new(crate::Status::Internal, format!("{} returned NULL", from)))
     }
 
     pub(crate) fn as_ptr(&self) -> *const sys::rp_run_config {
@@ -147,12 +173,7 @@ impl RunConfig {
 
     /// Recompute granularity.
     pub fn set_recompute_grain(&mut self, grain: RecomputeGrain) -> Result<&mut Self> {
-        let code = match grain {
-            RecomputeGrain::Default => sys::RP_GRAIN_DEFAULT,
-            RecomputeGrain::Stage => sys::RP_GRAIN_STAGE,
-            RecomputeGrain::Layer => sys::RP_GRAIN_LAYER,
-        };
-        check(unsafe { sys::rp_run_config_set_recompute_grain(self.ptr.as_ptr(), code) })?;
+        check(unsafe { sys::rp_run_config_set_recompute_grain(self.ptr.as_ptr(), grain.code()) })?;
         Ok(self)
     }
 
@@ -190,6 +211,39 @@ impl RunConfig {
         };
         check(unsafe { sys::rp_run_config_set_merge_output(self.ptr.as_ptr(), code) })?;
         Ok(self)
+    }
+
+    /// Number of microbatches this configuration sets (`None`: unset).
+    pub fn num_microbatch(&self) -> Result<Option<i32>> {
+        let mut n = 0;
+        check(unsafe { sys::rp_run_config_get_num_microbatch(&mut n, self.as_ptr()) })?;
+        Ok(if n == 0 { None } else { Some(n) })
+    }
+
+    /// Recompute granularity this configuration sets ([`RecomputeGrain::Default`]: unset).
+    pub fn recompute_grain(&self) -> Result<RecomputeGrain> {
+        let mut g = 0;
+        check(unsafe { sys::rp_run_config_get_recompute_grain(&mut g, self.as_ptr()) })?;
+        Ok(RecomputeGrain::from_code(g))
+    }
+
+    /// Output device this configuration sets: [`Device::CPU`] or a GPU (`None`: unset).
+    pub fn output_device(&self) -> Result<Option<Device>> {
+        let (mut kind, mut id) = (0, 0);
+        check(unsafe { sys::rp_run_config_get_output_device(&mut kind, &mut id, self.as_ptr()) })?;
+        Ok(if kind == 0 {
+            None
+        } else {
+            Some(Device { kind, id })
+        })
+    }
+
+    /// Whether outputs are merged: `Some(true)` merged, `Some(false)` one per microbatch,
+    /// `None` unset.
+    pub fn merge_output(&self) -> Result<Option<bool>> {
+        let mut m = -1;
+        check(unsafe { sys::rp_run_config_get_merge_output(&mut m, self.as_ptr()) })?;
+        Ok(if m < 0 { None } else { Some(m != 0) })
     }
 }
 

@@ -46,6 +46,7 @@ mod loss;
 mod model;
 mod optim;
 mod tensor;
+mod tensor_list;
 
 use std::sync::Mutex;
 
@@ -60,6 +61,7 @@ pub use loss::{Loss, LossFn, LossInput, LossKind};
 pub use model::{HostStateBytes, Model, StepContext};
 pub use optim::{Optimizer, OptimizerKind};
 pub use tensor::{AsDlpack, DType, Device, DlTensor, Element, Tensor, TensorView};
+pub use tensor_list::split_microbatches;
 
 /// Version of the loaded library, "MAJOR.MINOR.PATCH".
 pub fn version() -> String {

@@ -1,7 +1,7 @@
 //! The model: build, train, step, inspect, save and load.
 
 use std::ffi::CString;
-use std::os::raw::c_void;
+use std::os::raw::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr::{self, NonNull};
@@ -14,6 +14,7 @@ use crate::error::{c_string, check, Error, Result, Status};
 use crate::loss::{panic_message, Loss};
 use crate::optim::Optimizer;
 use crate::tensor::{borrowed_managed, AsDlpack, DlTensor};
+use crate::tensor_list::take_list;
 
 /// A model: layers, host parameter store, optimizer state, device workers and threads.
 ///
@@ -82,7 +83,12 @@ impl StepContext {
 
     /// Name of parameter `index` ("3.weight").
     pub fn param_name(&self, index: usize) -> Result<String> {
-        param_name(self.model, index)
+        param_string(sys::rp_param_name, self.model, index)
+    }
+
+    /// Hugging Face tensor name of parameter `index` (models built from a Hugging Face config).
+    pub fn param_hf_name(&self, index: usize) -> Result<String> {
+        param_string(sys::rp_param_hf_name, self.model, index)
     }
 
     /// The fp32 master weight of parameter `index`: update it in place.
@@ -131,9 +137,13 @@ fn param_count(model: *const sys::rp_model) -> Result<usize> {
     Ok(n)
 }
 
-fn param_name(model: *const sys::rp_model, index: usize) -> Result<String> {
+type ParamStringFn =
+    unsafe extern "C" fn(*mut *const c_char, *const sys::rp_model, usize) -> sys::rp_status;
+
+/// A library-owned name of parameter `index` (`rp_param_name`, `rp_param_hf_name`), copied.
+fn param_string(f: ParamStringFn, model: *const sys::rp_model, index: usize) -> Result<String> {
     let mut p = ptr::null();
-    check(unsafe { sys::rp_param_name(&mut p, model, index) })?;
+    check(unsafe { f(&mut p, model, index) })?;
     // SAFETY: library-owned, valid while the model lives; copied at once.
     Ok(unsafe { c_string(p) })
 }
@@ -152,29 +162,11 @@ fn param_view(model: *mut sys::rp_model, index: usize, grad: bool) -> Result<DlT
         .ok_or_else(|| Error::new(Status::Internal, "NULL parameter view"))
 }
 
-fn take_list(list: *mut sys::rp_tensor_list) -> Result<Vec<DlTensor>> {
-    struct Guard(*mut sys::rp_tensor_list);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            // SAFETY: owned list, destroyed once; tensors taken from it stay valid.
-            unsafe { sys::rp_tensor_list_destroy(self.0) }
-        }
-    }
-    let guard = Guard(list);
-    let mut n = 0usize;
-    check(unsafe { sys::rp_tensor_list_size(&mut n, guard.0) })?;
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut t = ptr::null_mut();
-        check(unsafe { sys::rp_tensor_list_get(&mut t, guard.0, i) })?;
-        // SAFETY: a new reference owned by the caller.
-        out.push(
-            unsafe { DlTensor::from_raw(t) }
-                .ok_or_else(|| Error::new(Status::Internal, "NULL output tensor"))?,
-        );
-    }
-    Ok(out)
-}
+type CreateFn = unsafe extern "C" fn(
+    *mut *mut sys::rp_model,
+    *const c_char,
+    *const sys::rp_model_options,
+) -> sys::rp_status;
 
 impl Model {
     /// Build a model from a JSON spec (`{"layers": [...]}`, see docs/semantics.md); `None`
@@ -183,12 +175,45 @@ impl Model {
         crate::ensure_abi()?;
         let spec =
             CString::new(spec_json).map_err(|_| Error::invalid("spec contains a NUL byte"))?;
+        Model::create(sys::rp_model_create, &spec, options, "rp_model_create")
+    }
+
+    /// Build a Hugging Face Qwen3ForCausalLM / LlamaForCausalLM from the text of its
+    /// config.json, with weights initialised from the seed as transformers does.
+    pub fn from_hf_config(config_json: &str, options: Option<&ModelOptions>) -> Result<Model> {
+        crate::ensure_abi()?;
+        let config =
+            CString::new(config_json).map_err(|_| Error::invalid("config contains a NUL byte"))?;
+        let f = sys::rp_model_create_from_hf_config;
+        Model::create(f, &config, options, "rp_model_create_from_hf_config")
+    }
+
+    /// Build a Hugging Face Qwen3ForCausalLM / LlamaForCausalLM from a model directory
+    /// (config.json and the weights, one file or shards).
+    pub fn from_hf_dir(dir: impl AsRef<Path>, options: Option<&ModelOptions>) -> Result<Model> {
+        crate::ensure_abi()?;
+        let dir = c_path(dir.as_ref())?;
+        Model::create(
+            sys::rp_model_create_from_hf,
+            &dir,
+            options,
+            "rp_model_create_from_hf",
+        )
+    }
+
+    /// Own the model `create(out, text, options)` makes.
+    fn create(
+        create: CreateFn,
+        text: &CString,
+        options: Option<&ModelOptions>,
+        name: &str,
+    ) -> Result<Model> {
         let mut p = ptr::null_mut();
         let opts = options.map_or(ptr::null(), |o| o.as_ptr());
-        // SAFETY: valid out-pointer, NUL-terminated spec, options borrowed for the call.
-        check(unsafe { sys::rp_model_create(&mut p, spec.as_ptr(), opts) })?;
+        // SAFETY: valid out-pointer, NUL-terminated text, options borrowed for the call.
+        check(unsafe { create(&mut p, text.as_ptr(), opts) })?;
         let ptr = NonNull::new(p)
-            .ok_or_else(|| Error::new(Status::Internal, "rp_model_create returned NULL"))?;
+            .ok_or_else(|| Error::new(Status::Internal, format!("{} returned NULL", name)))?;
         Ok(Model {
             ptr,
             pending_steps: Vec::new(),
@@ -226,6 +251,34 @@ impl Model {
         let mut n = 0;
         check(unsafe { sys::rp_model_step_count(&mut n, self.ptr.as_ptr()) })?;
         Ok(n)
+    }
+
+    /// The current stage plan, as the engine decided it (the explicit plan of the options,
+    /// else the planner's; on GPUs, re-planned from measured times by the first training
+    /// call): stage `s` holds the next `plan[s]` layers, so the counts add up to
+    /// [`num_layers`](Self::num_layers).
+    pub fn stage_plan(&self) -> Result<Vec<i32>> {
+        let mut n = 0i32;
+        check(unsafe { sys::rp_model_stage_plan(ptr::null_mut(), &mut n, 0, self.ptr.as_ptr()) })?;
+        let mut plan = vec![0i32; n.max(0) as usize];
+        let capacity = plan.len() as i32;
+        check(unsafe {
+            sys::rp_model_stage_plan(plan.as_mut_ptr(), &mut n, capacity, self.ptr.as_ptr())
+        })?;
+        plan.truncate(n.max(0) as usize);
+        Ok(plan)
+    }
+
+    /// The run configuration a call given `call` would use: the model's configuration
+    /// overlaid by `call` field by field, every field still unset filled in with the built-in
+    /// default (num_microbatch: number of devices + 1; grain: stage; output: the CPU; merged
+    /// outputs). Read it with the [`RunConfig`] getters.
+    pub fn resolve_run_config(&self, call: Option<&RunConfig>) -> Result<RunConfig> {
+        let mut p = ptr::null_mut();
+        let call = call.map_or(ptr::null(), |c| c.as_ptr());
+        check(unsafe { sys::rp_model_resolve_run_config(&mut p, self.ptr.as_ptr(), call) })?;
+        // SAFETY: a new configuration the caller owns.
+        unsafe { RunConfig::from_raw(p, "rp_model_resolve_run_config") }
     }
 
     /// Host memory held by the parameter state: master weights, weight copies the devices read,
@@ -435,7 +488,14 @@ impl Model {
 
     /// Name of parameter `index` ("<layer>.<name>", e.g. "3.fc1.weight").
     pub fn param_name(&self, index: usize) -> Result<String> {
-        param_name(self.ptr.as_ptr(), index)
+        param_string(sys::rp_param_name, self.ptr.as_ptr(), index)
+    }
+
+    /// Hugging Face tensor name of parameter `index` ("model.layers.2.mlp.up_proj.weight"),
+    /// the name [`save_hf`](Self::save_hf) writes. [`Status::State`] for a model not built
+    /// from a Hugging Face config.
+    pub fn param_hf_name(&self, index: usize) -> Result<String> {
+        param_string(sys::rp_param_hf_name, self.ptr.as_ptr(), index)
     }
 
     /// Names of all parameters, in order.
@@ -495,6 +555,20 @@ impl Model {
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let p = c_path(path.as_ref())?;
         check(unsafe { sys::rp_model_load(self.ptr.as_ptr(), p.as_ptr()) })
+    }
+
+    /// Save the latest weights as a Hugging Face directory that transformers loads
+    /// (synchronizes first; a model built from a Hugging Face config).
+    pub fn save_hf(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let p = c_path(dir.as_ref())?;
+        check(unsafe { sys::rp_model_save_hf(self.ptr.as_ptr(), p.as_ptr()) })
+    }
+
+    /// Load the weights of a Hugging Face directory (synchronizes first; a model built from a
+    /// Hugging Face config).
+    pub fn load_hf(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let p = c_path(dir.as_ref())?;
+        check(unsafe { sys::rp_model_load_hf(self.ptr.as_ptr(), p.as_ptr()) })
     }
 }
 

@@ -362,7 +362,7 @@ pub(crate) fn borrowed_managed(tensors: &[&dyn AsDlpack]) -> Vec<sys::DLManagedT
 /// A borrowed look at a DLPack tensor: shape, type, device and (host memory) the elements.
 #[derive(Clone, Copy)]
 pub struct TensorView<'a> {
-    t: sys::DLTensor,
+    pub(crate) t: sys::DLTensor,
     _life: PhantomData<&'a ()>,
 }
 

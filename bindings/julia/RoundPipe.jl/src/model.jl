@@ -1,0 +1,173 @@
+# Model: options, construction (JSON spec or Hugging Face), queries, weights on disk.
+
+"""
+    Model(spec_json; seed=0, devices=:auto, num_devices=0, num_microbatch=nothing,
+          run_config=nothing, model_dtype=nothing, optim_dtype=nothing, pin=nothing,
+          name=nothing, stage_plan=nothing, host_memory=nothing)
+    Model(; hf_config=json_text, options...)
+    Model(; hf_dir=path, options...)
+
+Build a model from a JSON spec (`{"layers": [...]}`, see docs/semantics.md), or a Hugging Face
+Qwen3ForCausalLM / LlamaForCausalLM: from the text of its config.json (weights initialised
+from the seed as transformers does) or from a model directory (config.json and weights).
+`devices` is `:auto`, `:cpu` or `:cuda`; `num_microbatch` is a shortcut for a model-level
+`RunConfig`; `model_dtype` / `optim_dtype` are `:f32`, `:bf16` or `:f16`; `pin` is `:alloc`,
+`:register` or `:off`; `stage_plan` a list of layers per stage (else the planner decides).
+
+`host_memory` is `:standard` (the default: 24 bytes of host state per parameter for bf16 /
+f16 models, 28 for f32 ones; asynchronous steps are one step stale) or `:saving` (12 bytes:
+AdamW moments in bf16 with stochastic rounding, one gradient buffer, one weight copy; weights
+are never stale); see `rp_host_memory_mode` in the header and `host_state_bytes`. In saving
+mode the gradients of a bf16 / f16 model are bfloat16: `param_grad` widens them to Float32,
+`with_param_grad` cannot view them.
+"""
+mutable struct Model <: Handle
+    ptr::Ptr{L.rp_model}
+    pending_steps::Vector{Any}  # step callbacks the optimizer thread may still run
+
+    Model(p::Ptr{L.rp_model}) = _own!(new(p, Any[]))
+end
+
+# Destroying the model drained its optimizer thread: no step callback is pending any more.
+_closed!(m::Model) = (empty!(m.pending_steps); nothing)
+
+const _DEVICE_KINDS = (auto=L.RP_DEVICE_AUTO, cpu=L.RP_DEVICE_CPU, cuda=L.RP_DEVICE_CUDA)
+const _FLOAT_TYPES = (f32=L.RP_DTYPE_F32, bf16=L.RP_DTYPE_BF16, f16=L.RP_DTYPE_F16)
+const _PIN_MODES = (alloc=L.RP_PIN_ALLOC, register=L.RP_PIN_REGISTER, off=L.RP_PIN_OFF)
+const _HOST_MEMORY_MODES = (standard=L.RP_HOST_MEMORY_STANDARD, saving=L.RP_HOST_MEMORY_SAVING)
+
+"""
+    _with_options(f; Model's keywords...) -> f(options::Ptr{rp_model_options})
+
+Model options made from `Model`'s keywords, given to `f`, freed when `f` returns.
+"""
+function _with_options(f; seed::Integer=0, devices::Symbol=:auto, num_devices::Integer=0,
+                       num_microbatch=nothing, run_config=nothing, model_dtype=nothing,
+                       optim_dtype=nothing, pin=nothing, name=nothing, stage_plan=nothing,
+                       host_memory=nothing)
+    _scoped(_create(L.rp_model_options, L.rp_model_options_create)) do opts
+        @check L.rp_model_options_set_seed(opts, UInt64(seed))
+        kind = _code(_DEVICE_KINDS, devices, "devices")
+        @check L.rp_model_options_set_devices(opts, kind, Int32(num_devices))
+        if num_microbatch !== nothing
+            run_config === nothing || _invalid("give num_microbatch or run_config, not both")
+            RunConfig(; num_microbatch=num_microbatch) do c  # the options keep a copy
+                @check L.rp_model_options_set_run_config(opts, c.ptr)
+            end
+        elseif run_config !== nothing
+            @check L.rp_model_options_set_run_config(opts, _cfg(run_config))
+        end
+        model_dtype === nothing || @check L.rp_model_options_set_model_dtype(opts,
+            _code(_FLOAT_TYPES, model_dtype, "dtype"))
+        optim_dtype === nothing || @check L.rp_model_options_set_optim_dtype(opts,
+            _code(_FLOAT_TYPES, optim_dtype, "dtype"))
+        pin === nothing ||
+            @check L.rp_model_options_set_pin_mode(opts, _code(_PIN_MODES, pin, "pin"))
+        host_memory === nothing || @check L.rp_model_options_set_host_memory_mode(opts,
+            _code(_HOST_MEMORY_MODES, host_memory, "host_memory"))
+        name === nothing || @check L.rp_model_options_set_name(opts, String(name))
+        if stage_plan !== nothing
+            plan = Int32[stage_plan...]
+            @check L.rp_model_options_set_stage_plan(opts, plan, Csize_t(length(plan)))
+        end
+        return f(opts)
+    end
+end
+
+function Model(spec::AbstractString; options...)
+    _ensure_abi()
+    p = _with_options(; options...) do opts
+        _create(L.rp_model, L.rp_model_create, String(spec), opts)
+    end
+    return Model(p)
+end
+
+function Model(; hf_config=nothing, hf_dir=nothing, options...)
+    _ensure_abi()
+    (hf_config === nothing) == (hf_dir === nothing) &&
+        _invalid("give a JSON spec, or one of hf_config and hf_dir")
+    p = _with_options(; options...) do opts
+        if hf_dir === nothing
+            _create(L.rp_model, L.rp_model_create_from_hf_config, String(hf_config), opts)
+        else
+            _create(L.rp_model, L.rp_model_create_from_hf, String(hf_dir), opts)
+        end
+    end
+    return Model(p)
+end
+
+for (fname, cfn, T) in ((:num_layers, :rp_model_num_layers, Int32),
+                        (:num_stages, :rp_model_num_stages, Int32),
+                        (:num_devices, :rp_model_num_devices, Int32),
+                        (:step_count, :rp_model_step_count, Int64))
+    @eval function $fname(m::Model)
+        n = Ref{$T}(0)
+        @check L.$cfn(n, _ptr(m))
+        return Int(n[])
+    end
+end
+
+"""
+    stage_plan(model) -> Vector{Int}
+
+The current stage plan, as the engine decided it (the `stage_plan` option, else the planner;
+on GPUs, re-planned from measured times by the first training call): stage `s` holds the next
+`stage_plan(model)[s]` layers of the layer list, so the counts add up to `num_layers(model)`.
+"""
+function stage_plan(m::Model)
+    n = Ref{Int32}(0)
+    @check L.rp_model_stage_plan(Ptr{Int32}(C_NULL), n, Int32(0), _ptr(m))
+    plan = zeros(Int32, n[])
+    @check L.rp_model_stage_plan(plan, n, Int32(length(plan)), _ptr(m))
+    return Int.(plan)
+end
+
+"""
+    resolve_run_config(model, config=nothing) -> RunConfig
+
+The configuration a call given `config` would run with: the model's configuration overlaid by
+`config` field by field, every field still unset filled in with the built-in default
+(`num_microbatch` `num_devices(model) + 1`, `recompute_grain` `:stage`, `output_device` `:cpu`,
+`merge_output` true). Read it with `num_microbatch` and the other getters; it is a new handle:
+close it when done.
+"""
+resolve_run_config(m::Model, config::Union{Nothing,RunConfig}=nothing) =
+    RunConfig(_create(L.rp_run_config, L.rp_model_resolve_run_config, _ptr(m), _cfg(config)))
+
+"""
+    host_state_bytes(model) -> (bytes=..., elements=..., bytes_per_param=...)
+
+Host memory held by the model's parameter state (master weights, weight copies the devices
+read, gradient buffers, built-in optimizer state once a built-in step has run), in tensor
+bytes, and the number of parameter elements (tied parameters once). After a built-in AdamW
+step a bf16 model holds 24 bytes per parameter with `host_memory=:standard` and 12 with
+`:saving` (28 and 12 for f32 models).
+"""
+function host_state_bytes(m::Model)
+    b, n = Ref{Int64}(0), Ref{Int64}(0)
+    @check L.rp_model_host_state_bytes(b, n, _ptr(m))
+    return (bytes=Int(b[]), elements=Int(n[]),
+            bytes_per_param=n[] == 0 ? 0.0 : b[] / n[])
+end
+
+# A call taking the model and a path. It synchronizes first, so step callbacks may run on the
+# optimizer thread meanwhile: the call runs GC-safe.
+function _path_call(cfn, m::Model, path::AbstractString)
+    mp, s = _ptr(m), Base.cconvert(Cstring, String(path))
+    cs = Base.unsafe_convert(Cstring, s)  # throws here, not in the GC-safe call, on a NUL byte
+    st = GC.@preserve s _gcsafe(() -> cfn(mp, cs))
+    @check st
+    return m
+end
+
+"Save the latest weights to a safetensors file (synchronizes first)."
+save(m::Model, path::AbstractString) = _path_call(L.rp_model_save, m, path)
+
+"Load every parameter from a safetensors file (synchronizes first)."
+load!(m::Model, path::AbstractString) = _path_call(L.rp_model_load, m, path)
+
+"Save the latest weights as a Hugging Face directory transformers loads (a Hugging Face model)."
+save_hf(m::Model, dir::AbstractString) = _path_call(L.rp_model_save_hf, m, dir)
+
+"Load the weights of a Hugging Face directory into a model built from a Hugging Face config."
+load_hf!(m::Model, dir::AbstractString) = _path_call(L.rp_model_load_hf, m, dir)
