@@ -130,114 +130,113 @@ double check_against_fused() {
     return (p_ours - p_fused).abs().max().item<double>();
 }
 
-} // namespace
+// Equal tensors (the last takes the remainder), allocated separately like a model's, and the
+// state every variant runs on (the values do not change the work).
+struct Arrays {
+    std::vector<at::Tensor> P, G, M, V, steps;
+};
 
-int main(int argc, char **argv) {
-    Options o = parse(argc, argv);
-    if (o.threads > 0)
-        at::set_num_threads(o.threads);
-    const int threads = at::get_num_threads();
-
-    // Equal tensors (the last takes the remainder), allocated separately like a model's.
-    std::vector<at::Tensor> P, G, M, V;
-    std::vector<int64_t> sizes;
+Arrays make_arrays(const Options &o) {
+    Arrays a;
     const int64_t per = o.params / o.tensors;
-    for (int64_t i = 0; i < o.tensors; ++i)
-        sizes.push_back(i + 1 < o.tensors ? per : o.params - per * (o.tensors - 1));
-    progress("allocating " + std::to_string(o.params) + " parameters in " +
-             std::to_string(o.tensors) + " tensors, " + std::to_string(threads) + " threads");
-    for (int64_t n : sizes) {
+    for (int64_t i = 0; i < o.tensors; ++i) {
+        const int64_t n = i + 1 < o.tensors ? per : o.params - per * (o.tensors - 1);
         // Values of a model in training; filled in parallel (normal_ on the CPU is serial).
         at::Tensor idx = at::arange(n, at::TensorOptions().dtype(at::kFloat));
-        P.push_back(at::sin(idx).mul_(0.02));
-        G.push_back(at::cos(idx.mul(0.37)).mul_(1e-3));
-        M.push_back(at::zeros({n}));
-        V.push_back(at::zeros({n}));
+        a.P.push_back(at::sin(idx).mul_(0.02));
+        a.G.push_back(at::cos(idx.mul(0.37)).mul_(1e-3));
+        a.M.push_back(at::zeros({n}));
+        a.V.push_back(at::zeros({n}));
+        a.steps.push_back(at::zeros({}));
     }
-    const double n = static_cast<double>(o.params);
-    const double adam_bytes = 28.0 * n;
+    return a;
+}
 
-    // Every variant runs on the same arrays (the values do not change the work), in the order
-    // given by --variants.
-    int64_t step_ours = 0;
-    std::vector<at::Tensor> steps;
-    for (size_t i = 0; i < P.size(); ++i)
-        steps.push_back(at::zeros({}));
-    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN},
-        bf16{NAN, NAN};
-    for (const std::string &variant : o.variants) {
-        if (variant == "ours") {
-            ours = time_it("ours (rp::adamw_update)", o.warmup, o.reps, [&] {
-                ++step_ours;
-                for (size_t i = 0; i < P.size(); ++i)
-                    rp::adamw_update(P[i].data_ptr<float>(), G[i].data_ptr<float>(),
-                                     M[i].data_ptr<float>(), V[i].data_ptr<float>(),
-                                     P[i].numel(), {kLr, kBeta1, kBeta2, kEps, kWd}, step_ours);
-            });
-        } else if (variant == "fused") {
-            fused = time_it("fused (at::_fused_adamw_)", o.warmup, o.reps, [&] {
-                at::_foreach_add_(steps, 1.0);
-                at::_fused_adamw_(P, G, M, V, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, false,
-                                  false);
-            });
-        } else if (variant == "torch") {
-            // torch::optim::AdamW keeps its own moments (allocated on its first step, which
-            // is therefore always a warm-up).
-            std::vector<at::Tensor> leaves;
-            for (size_t i = 0; i < P.size(); ++i) {
-                at::Tensor p = P[i].detach().requires_grad_(true);
-                p.mutable_grad() = G[i];
-                leaves.push_back(p);
-            }
-            torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(kLr)
-                                                .betas(std::make_tuple(kBeta1, kBeta2))
-                                                .eps(kEps)
-                                                .weight_decay(kWd));
-            torch_adamw = time_it("torch::optim::AdamW", std::max(1, o.warmup), o.reps,
-                                  [&] { opt.step(); });
-        } else if (variant == "bf16") {
-            // Its own bf16 gradient and moments, so the fp32 variants' state is untouched.
-            std::vector<at::Tensor> G16, M16, V16;
-            for (const at::Tensor &g : G) {
-                G16.push_back(g.to(at::kBFloat16));
-                M16.push_back(at::zeros_like(g, at::kBFloat16));
-                V16.push_back(at::zeros_like(g, at::kBFloat16));
-            }
-            auto bits = [](at::Tensor &t) {
-                return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
-            };
-            int64_t step_bf16 = 0;
-            bf16 = time_it("bf16 state (rp::adamw_update_bf16_state)", o.warmup, o.reps, [&] {
-                ++step_bf16;
-                for (size_t i = 0; i < P.size(); ++i) {
-                    rp::GradSpan g;
-                    g.bf16 = bits(G16[i]);
-                    rp::adamw_update_bf16_state(P[i].data_ptr<float>(), g, bits(M16[i]),
-                                                bits(V16[i]), P[i].numel(),
-                                                {kLr, kBeta1, kBeta2, kEps, kWd}, step_bf16, i);
-                }
-            });
-        } else if (variant == "copy") {
-            // A plain copy of gradient-sized arrays, split over the same threads. It writes
-            // into scratch arrays of its own, allocated and touched first.
-            std::vector<at::Tensor> dst;
-            for (const at::Tensor &g : G)
-                dst.push_back(at::zeros_like(g));
-            copy = time_it("memcpy", o.warmup, o.reps, [&] {
-                for (size_t i = 0; i < G.size(); ++i) {
-                    const char *src = static_cast<const char *>(G[i].data_ptr());
-                    char *out = static_cast<char *>(dst[i].data_ptr());
-                    const int64_t bytes = static_cast<int64_t>(G[i].nbytes());
-                    at::parallel_for(0, bytes, int64_t{1} << 20, [&](int64_t b, int64_t e) {
-                        std::memcpy(out + b, src + b, static_cast<size_t>(e - b));
-                    });
-                }
+Timing time_ours(const Options &o, Arrays &a) {
+    int64_t step = 0;
+    return time_it("ours (rp::adamw_update)", o.warmup, o.reps, [&] {
+        ++step;
+        for (size_t i = 0; i < a.P.size(); ++i)
+            rp::adamw_update(a.P[i].data_ptr<float>(), a.G[i].data_ptr<float>(),
+                             a.M[i].data_ptr<float>(), a.V[i].data_ptr<float>(), a.P[i].numel(),
+                             {kLr, kBeta1, kBeta2, kEps, kWd}, step);
+    });
+}
+
+Timing time_fused(const Options &o, Arrays &a) {
+    return time_it("fused (at::_fused_adamw_)", o.warmup, o.reps, [&] {
+        at::_foreach_add_(a.steps, 1.0);
+        at::_fused_adamw_(a.P, a.G, a.M, a.V, {}, a.steps, kLr, kBeta1, kBeta2, kWd, kEps, false,
+                          false);
+    });
+}
+
+// torch::optim::AdamW keeps its own moments (allocated on its first step, which is therefore
+// always a warm-up).
+Timing time_torch_adamw(const Options &o, Arrays &a) {
+    std::vector<at::Tensor> leaves;
+    for (size_t i = 0; i < a.P.size(); ++i) {
+        at::Tensor p = a.P[i].detach().requires_grad_(true);
+        p.mutable_grad() = a.G[i];
+        leaves.push_back(p);
+    }
+    torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(kLr)
+                                        .betas(std::make_tuple(kBeta1, kBeta2))
+                                        .eps(kEps)
+                                        .weight_decay(kWd));
+    return time_it("torch::optim::AdamW", std::max(1, o.warmup), o.reps, [&] { opt.step(); });
+}
+
+// Its own bf16 gradient and moments, so the fp32 variants' state is untouched.
+Timing time_bf16_state(const Options &o, Arrays &a) {
+    std::vector<at::Tensor> G16, M16, V16;
+    for (const at::Tensor &g : a.G) {
+        G16.push_back(g.to(at::kBFloat16));
+        M16.push_back(at::zeros_like(g, at::kBFloat16));
+        V16.push_back(at::zeros_like(g, at::kBFloat16));
+    }
+    auto bits = [](at::Tensor &t) {
+        return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
+    };
+    int64_t step = 0;
+    return time_it("bf16 state (rp::adamw_update_bf16_state)", o.warmup, o.reps, [&] {
+        ++step;
+        for (size_t i = 0; i < a.P.size(); ++i) {
+            rp::GradSpan g;
+            g.bf16 = bits(G16[i]);
+            rp::adamw_update_bf16_state(a.P[i].data_ptr<float>(), g, bits(M16[i]), bits(V16[i]),
+                                        a.P[i].numel(), {kLr, kBeta1, kBeta2, kEps, kWd}, step,
+                                        i);
+        }
+    });
+}
+
+// A plain copy of gradient-sized arrays, split over the same threads. It writes into scratch
+// arrays of its own, allocated and touched first.
+Timing time_copy(const Options &o, Arrays &a) {
+    std::vector<at::Tensor> dst;
+    for (const at::Tensor &g : a.G)
+        dst.push_back(at::zeros_like(g));
+    return time_it("memcpy", o.warmup, o.reps, [&] {
+        for (size_t i = 0; i < a.G.size(); ++i) {
+            const char *src = static_cast<const char *>(a.G[i].data_ptr());
+            char *out = static_cast<char *>(dst[i].data_ptr());
+            const int64_t bytes = static_cast<int64_t>(a.G[i].nbytes());
+            at::parallel_for(0, bytes, int64_t{1} << 20, [&](int64_t b, int64_t e) {
+                std::memcpy(out + b, src + b, static_cast<size_t>(e - b));
             });
         }
-    }
-    const double copy_gbps = 2.0 * 4.0 * n / copy.median_ms / 1e6;
-    const double max_diff = check_against_fused();
+    });
+}
 
+struct Timings {
+    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN};
+};
+
+void print_report(const Options &o, int threads, const Timings &t, double max_diff) {
+    const double n = static_cast<double>(o.params);
+    const double adam_bytes = 28.0 * n;
+    const double copy_gbps = 2.0 * 4.0 * n / t.copy.median_ms / 1e6;
     std::string label;
     for (char c : o.label)
         if (c != '"' && c != '\\' && static_cast<unsigned char>(c) >= 0x20)
@@ -246,8 +245,8 @@ int main(int argc, char **argv) {
         double f = std::pow(10.0, d);
         return std::round(v * f) / f;
     };
-    auto gparams = [&](const Timing &t) { return r(n / t.median_ms / 1e6, 3); };
-    auto gbps = [&](const Timing &t) { return r(adam_bytes / t.median_ms / 1e6, 3); };
+    auto gparams = [&](const Timing &x) { return r(n / x.median_ms / 1e6, 3); };
+    auto gbps = [&](const Timing &x) { return r(adam_bytes / x.median_ms / 1e6, 3); };
     std::printf(
         "{\"bench\":\"adamw\",\"status\":\"%s\",\"label\":\"%s\",\"params\":%lld,\"tensors\":%lld,"
         "\"threads\":%d,\"reps\":%d,"
@@ -261,11 +260,40 @@ int main(int argc, char **argv) {
         "\"bf16_state_speedup_vs_fused\":%.4f,"
         "\"max_abs_diff_vs_fused\":%.3g}\n",
         max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
-        static_cast<long long>(o.tensors), threads, o.reps, ours.median_ms, ours.min_ms,
-        gparams(ours), gbps(ours), fused.median_ms, fused.min_ms, gparams(fused), gbps(fused),
-        torch_adamw.median_ms, gparams(torch_adamw), copy.median_ms, copy_gbps,
-        fused.median_ms / ours.median_ms, torch_adamw.median_ms / ours.median_ms,
-        gbps(ours) / copy_gbps, gbps(fused) / copy_gbps, bf16.median_ms, gparams(bf16),
-        fused.median_ms / bf16.median_ms, max_diff);
+        static_cast<long long>(o.tensors), threads, o.reps, t.ours.median_ms, t.ours.min_ms,
+        gparams(t.ours), gbps(t.ours), t.fused.median_ms, t.fused.min_ms, gparams(t.fused),
+        gbps(t.fused), t.torch_adamw.median_ms, gparams(t.torch_adamw), t.copy.median_ms,
+        copy_gbps, t.fused.median_ms / t.ours.median_ms,
+        t.torch_adamw.median_ms / t.ours.median_ms, gbps(t.ours) / copy_gbps,
+        gbps(t.fused) / copy_gbps, t.bf16.median_ms, gparams(t.bf16),
+        t.fused.median_ms / t.bf16.median_ms, max_diff);
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+    Options o = parse(argc, argv);
+    if (o.threads > 0)
+        at::set_num_threads(o.threads);
+    const int threads = at::get_num_threads();
+    progress("allocating " + std::to_string(o.params) + " parameters in " +
+             std::to_string(o.tensors) + " tensors, " + std::to_string(threads) + " threads");
+    Arrays a = make_arrays(o);
+    // Every variant runs on the same arrays, in the order given by --variants.
+    Timings t;
+    for (const std::string &variant : o.variants) {
+        if (variant == "ours")
+            t.ours = time_ours(o, a);
+        else if (variant == "fused")
+            t.fused = time_fused(o, a);
+        else if (variant == "torch")
+            t.torch_adamw = time_torch_adamw(o, a);
+        else if (variant == "bf16")
+            t.bf16 = time_bf16_state(o, a);
+        else if (variant == "copy")
+            t.copy = time_copy(o, a);
+    }
+    const double max_diff = check_against_fused();
+    print_report(o, threads, t, max_diff);
     return max_diff <= 1e-5 ? 0 : 1;
 }
