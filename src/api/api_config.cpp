@@ -202,7 +202,7 @@ rp_status rp_split_microbatches(rp_tensor_list **out_pieces, const DLManagedTens
                     std::to_string(num_microbatch));
         require(dim >= RP_SPLIT_REPLICATE,
                 "split dim must be RP_SPLIT_REPLICATE (-1) or >= 0, got " + std::to_string(dim));
-        at::Tensor t = borrow_dlpack(tensor, "tensor", visible_cuda_devices());
+        at::Tensor t = borrow_dlpack(tensor, "tensor", visible_cuda_devices(), /*any_dtype=*/true);
         auto list = std::make_unique<rp_tensor_list>();
         list->tensors = split_tensor(t, dim, num_microbatch, "tensor");
         *out_pieces = list.release();

@@ -61,13 +61,24 @@ void validate(const DLTensor &t, const std::string &what, int gpus) {
     }
 }
 
+at::ScalarType any_scalar_type(DLDataType t, const std::string &what) {
+    try {
+        return at::toScalarType(t);
+    } catch (const c10::Error &) {
+        fail(ErrorKind::InvalidArgument, what + " has dtype " + dtype_name(t) +
+                                             ", which libtorch has no type for");
+    }
+}
+
 } // namespace
 
-at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what, int gpus) {
+at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what, int gpus,
+                         bool any_dtype) {
     require(tensor != nullptr, what + " is NULL");
     const DLTensor &t = tensor->dl_tensor;
     validate(t, what, gpus);
-    at::ScalarType type = scalar_type_of(t.dtype, what, false);
+    at::ScalarType type =
+        any_dtype ? any_scalar_type(t.dtype, what) : scalar_type_of(t.dtype, what, false);
     std::vector<int64_t> sizes(t.shape, t.shape + t.ndim);
     char *data = static_cast<char *>(t.data) + t.byte_offset;
     at::Device device = t.device.device_type == kDLCUDA

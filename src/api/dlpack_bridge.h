@@ -9,8 +9,10 @@ namespace rp {
 
 // Wraps a borrowed DLPack tensor (contiguous, a supported dtype; in host memory, or in the memory
 // of one of `gpus` GPUs when the model runs on GPUs) without copying. `what` names it in error
-// messages ("input 0", "labels").
-at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what, int gpus);
+// messages ("input 0", "labels"). `any_dtype`: every dtype libtorch knows (bool, uint8, float64,
+// ...), for tensors the engine only slices and never computes with.
+at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what, int gpus,
+                         bool any_dtype = false);
 
 // Takes ownership of a DLPack tensor produced by a callback (its deleter runs when the tensor
 // dies). Validates it like borrow_dlpack for host memory; `allow_float64` also accepts float64 (gradients).

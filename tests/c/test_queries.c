@@ -172,6 +172,23 @@ static void split_rule_matches_tensor_split_and_replicates_scalars(void **state)
     assert_true(f == 3.5f);
     rp_tensor_list_destroy(pieces);
     ts_free(scalar);
+    /* The engine only slices: any dtype libtorch knows, e.g. bool masks of 3 rows into 2. */
+    int64_t mshape[1] = {3};
+    DLManagedTensor *b = ts_raw((DLDataType){kDLBool, 8, 1}, (DLDevice){kDLCPU, 0}, 1, mshape,
+                                NULL, 3);
+    uint8_t *mask = (uint8_t *)b->dl_tensor.data;
+    mask[0] = 1;
+    mask[2] = 1;
+    TS_OK(rp_split_microbatches(&pieces, b, 0, 2));
+    DLManagedTensor *second = NULL;
+    TS_OK(rp_tensor_list_get(&second, pieces, 1));
+    assert_int_equal(second->dl_tensor.shape[0], 1);
+    assert_int_equal(second->dl_tensor.dtype.code, kDLBool);
+    assert_int_equal(*((const uint8_t *)second->dl_tensor.data + second->dl_tensor.byte_offset),
+                     1);
+    ts_free(second);
+    rp_tensor_list_destroy(pieces);
+    ts_free(b);
 }
 
 static const char *LLAMA_UNTIED =

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import roundpipe  # noqa: E402
-import roundpipe.model  # noqa: E402
+import roundpipe._internals  # noqa: E402
 import roundpipe.wrap  # noqa: E402
 
 DEVICES = ("cpu", 2)
@@ -149,8 +149,8 @@ def test_bad_host_memory_raises_value_error_before_anything_is_built(bad, monkey
     def no_library():
         raise AssertionError("the library was called")
 
-    live = len(roundpipe.model._live_models)
-    monkeypatch.setattr(roundpipe.model, "lib", no_library)
+    live = len(roundpipe._internals._live_models)
+    monkeypatch.setattr(roundpipe._internals, "lib", no_library)
     with pytest.raises(ValueError, match='"standard" or "saving"'):
         roundpipe.RoundPipe(mlp(), devices=DEVICES, host_memory=bad)
 
@@ -160,7 +160,7 @@ def test_bad_host_memory_raises_value_error_before_anything_is_built(bad, monkey
     monkeypatch.setattr(roundpipe.wrap, "convert_module", no_conversion)
     with pytest.raises(ValueError, match='"standard" or "saving"'):
         roundpipe.wrap_model_to_roundpipe(mlp(), devices=DEVICES, host_memory=bad)
-    assert len(roundpipe.model._live_models) == live
+    assert len(roundpipe._internals._live_models) == live
 
 
 def test_wrap_model_to_roundpipe_passes_host_memory_on():

@@ -191,13 +191,19 @@ def _declare(cdll):
     def fn(name, restype, argtypes):
         f = getattr(cdll, name)
         f.argtypes = argtypes
-        if restype is st:
+        if restype is _STATUS:
             f.restype = c_int
             f.errcheck = _status_check
         else:
             f.restype = restype
         return f
 
+    for declare in (_declare_base, _declare_model, _declare_calls, _declare_params):
+        declare(fn)
+
+
+def _declare_base(fn):
+    """Status, errors, versions, logging; run configuration: declared with `fn` of _declare."""
     P = POINTER
     st = _STATUS  # rp_status: c_int checked by _status_check
 
@@ -226,6 +232,20 @@ def _declare(cdll):
        [rp_run_config_p, rp_split_fn, c_void_p])                     # rp_status rp_run_config_set_split_callback(rp_run_config *config, rp_split_fn fn, void *user_data);
     fn("rp_run_config_set_merge_output", st,
        [rp_run_config_p, c_int32])                                   # rp_status rp_run_config_set_merge_output(rp_run_config *config, int32_t merge);
+    fn("rp_run_config_get_num_microbatch", st,
+       [P(c_int32), rp_run_config_p])                                # rp_status rp_run_config_get_num_microbatch(int32_t *out_num_microbatch, const rp_run_config *config);
+    fn("rp_run_config_get_recompute_grain", st,
+       [P(c_int32), rp_run_config_p])                                # rp_status rp_run_config_get_recompute_grain(int32_t *out_grain, const rp_run_config *config);
+    fn("rp_run_config_get_output_device", st,
+       [P(c_int32), P(c_int32), rp_run_config_p])                    # rp_status rp_run_config_get_output_device(int32_t *out_device_type, int32_t *out_device_id, const rp_run_config *config);
+    fn("rp_run_config_get_merge_output", st,
+       [P(c_int32), rp_run_config_p])                                # rp_status rp_run_config_get_merge_output(int32_t *out_merge, const rp_run_config *config);
+
+
+def _declare_model(fn):
+    """Model options, model lifetime and queries: declared with `fn` of _declare."""
+    P = POINTER
+    st = _STATUS  # rp_status: c_int checked by _status_check
 
     # -- model options and model lifetime ------------------------------------------------------
     fn("rp_model_options_create", st, [P(rp_model_options_p)])       # rp_status rp_model_options_create(rp_model_options **out_options);
@@ -258,6 +278,10 @@ def _declare(cdll):
     fn("rp_model_num_layers", st, [P(c_int32), rp_model_p])          # rp_status rp_model_num_layers(int32_t *out_count, const rp_model *model);
     fn("rp_model_num_stages", st, [P(c_int32), rp_model_p])          # rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
     fn("rp_model_num_devices", st, [P(c_int32), rp_model_p])         # rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
+    fn("rp_model_stage_plan", st,
+       [P(c_int32), P(c_int32), c_int32, rp_model_p])                # rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
+    fn("rp_model_resolve_run_config", st,
+       [P(rp_run_config_p), rp_model_p, rp_run_config_p])            # rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
     fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
     fn("rp_model_grad_scale", st, [P(c_double), P(c_int64), rp_model_p])  # rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
@@ -267,11 +291,19 @@ def _declare(cdll):
     fn("rp_cuda_memory_stats", st, [P(c_int64), P(c_int64), c_int32])  # rp_status rp_cuda_memory_stats(int64_t *out_allocated_bytes, int64_t *out_peak_bytes, int32_t device);
     fn("rp_cuda_reset_peak_memory", st, [c_int32])                    # rp_status rp_cuda_reset_peak_memory(int32_t device);
 
+
+def _declare_calls(fn):
+    """Tensor lists, losses, forward (+ backward), optimizer: declared with `fn` of _declare."""
+    P = POINTER
+    st = _STATUS  # rp_status: c_int checked by _status_check
+
     # -- tensor lists --------------------------------------------------------------------------
     fn("rp_tensor_list_size", st, [P(c_size_t), rp_tensor_list_p])   # rp_status rp_tensor_list_size(size_t *out_size, const rp_tensor_list *list);
     fn("rp_tensor_list_get", st,
        [P(c_void_p), rp_tensor_list_p, c_size_t])                    # rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tensor_list *list, size_t index);
     fn("rp_tensor_list_destroy", None, [rp_tensor_list_p])           # void rp_tensor_list_destroy(rp_tensor_list *list);
+    fn("rp_split_microbatches", st,
+       [P(rp_tensor_list_p), c_void_p, c_int32, c_int32])            # rp_status rp_split_microbatches(rp_tensor_list **out_pieces, const DLManagedTensor *tensor, int32_t dim, int32_t num_microbatch);
 
     # -- losses --------------------------------------------------------------------------------
     fn("rp_loss_create", st, [P(rp_loss_p), c_int32])                # rp_status rp_loss_create(rp_loss **out_loss, int32_t kind);
@@ -306,12 +338,19 @@ def _declare(cdll):
     fn("rp_synchronize", st, [rp_model_p])                           # rp_status rp_synchronize(rp_model *model);
     fn("rp_zero_grad", st, [rp_model_p])                             # rp_status rp_zero_grad(rp_model *model);
 
+
+def _declare_params(fn):
+    """Parameters, weights on disk, Hugging Face models: declared with `fn` of _declare."""
+    P = POINTER
+    st = _STATUS  # rp_status: c_int checked by _status_check
+
     # -- parameters ----------------------------------------------------------------------------
     # The model argument is c_void_p here (not rp_model_p): step callbacks receive the model as
     # a bare pointer and call these on it.
     fn("rp_param_count", st, [P(c_size_t), c_void_p])                # rp_status rp_param_count(size_t *out_count, const rp_model *model);
     fn("rp_param_name", st, [P(c_char_p), c_void_p, c_size_t])       # rp_status rp_param_name(const char **out_name, const rp_model *model, size_t index);
     fn("rp_param_find", st, [P(c_size_t), c_void_p, c_char_p])       # rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *name);
+    fn("rp_param_hf_name", st, [P(c_char_p), c_void_p, c_size_t])    # rp_status rp_param_hf_name(const char **out_name, const rp_model *model, size_t index);
     fn("rp_param_shape", st,
        [P(c_int64), P(c_int32), c_int32, c_void_p, c_size_t])        # rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity, const rp_model *model, size_t index);
     fn("rp_param_master", st, [P(c_void_p), c_void_p, c_size_t])     # rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t index);

@@ -1,12 +1,10 @@
 """RoundPipeRunConfig: how one call is cut into microbatches and how its outputs come back."""
 
-import ctypes
-
 import torch
 
 from . import _capi
-from ._capi import lib
 from .errors import RoundPipeError, Status
+
 
 class _ReplicateMarker:
     """Spec leaf meaning: give every microbatch the whole value (upstream's ``_Replicate``)."""
@@ -126,53 +124,44 @@ class RoundPipeRunConfig:
                            if getattr(self, f) is not None)
         return "RoundPipeRunConfig(%s)" % fields
 
-    def overridden_by(self, other):
-        """A new configuration: `other`'s fields where set, else this one's."""
-        if other is None:
-            return self
-        merged = RoundPipeRunConfig()
-        for f in self._FIELDS:
-            value = getattr(other, f)
-            setattr(merged, f, value if value is not None else getattr(self, f))
-        return merged
+    # -- what goes where ---------------------------------------------------------------------
+    # The engine holds num_microbatch, recompute_grain, output_device and the merge rules it
+    # knows (True / False, TensorChunkSpec(0)), overlays a call's over the model's and fills in
+    # its defaults (rp_model_resolve_run_config). The split specs and the custom merges are
+    # Python objects the engine cannot hold: their overlay is here, in call_fields().
 
-    # -- helpers for the model ---------------------------------------------------------------
+    def engine_fields(self):
+        """The fields this configuration sets that the engine holds, as C values (keyword
+        arguments of ``_internals.RunConfig.build``)."""
+        return {"num_microbatch": self.num_microbatch,
+                "recompute_grain": _GRAINS.get(self.recompute_grain),
+                "output_device": _parse_output_device(self.output_device),
+                "merge_output": engine_merge(self.merge_output)}
 
-    def merge_mode(self):
-        """1 when the engine should merge outputs, 0 when the binding gets per-microbatch
-        outputs (and merges them itself unless merge_output is False)."""
-        m = self.merge_output
-        if m is None or m is True:
-            return 1
-        return 0
+    def call_fields(self, call):
+        """A configuration with only the Python-side fields a call uses, `call`'s where set,
+        else this (model-level) one's: split_input, split_label, and merge_output when it is a
+        merge the engine does not do (else None)."""
+        def pick(field):
+            value = getattr(call, field) if call is not None else None
+            return value if value is not None else getattr(self, field)
+        merge = pick("merge_output")
+        return RoundPipeRunConfig(split_input=pick("split_input"),
+                                  split_label=pick("split_label"),
+                                  merge_output=merge if is_custom_merge(merge) else None)
 
-    def build_c(self, input_dims=None, label_dim=None, split_callback=None):
-        """An owned C rp_run_config holding this configuration's engine-side fields.
 
-        `input_dims`: per-input split dims (None entries leave the default); `label_dim`: label
-        split dim or None; `split_callback`: (rp_split_fn, user_data) or None.
-        """
-        L = lib()
-        handle = _capi.rp_run_config_p()
-        L.rp_run_config_create(ctypes.byref(handle))
-        try:
-            if self.num_microbatch is not None:
-                L.rp_run_config_set_num_microbatch(handle, self.num_microbatch)
-            if self.recompute_grain is not None:
-                L.rp_run_config_set_recompute_grain(handle, _GRAINS[self.recompute_grain])
-            dev = _parse_output_device(self.output_device)
-            if dev is not None:
-                L.rp_run_config_set_output_device(handle, dev[0], dev[1])
-            L.rp_run_config_set_merge_output(handle, self.merge_mode())
-            for i, dim in enumerate(input_dims or ()):
-                if dim is not None:
-                    L.rp_run_config_set_input_split_dim(handle, i, dim)
-            if label_dim is not None:
-                L.rp_run_config_set_label_split_dim(handle, label_dim)
-            if split_callback is not None:
-                L.rp_run_config_set_split_callback(handle, split_callback[0],
-                                                   split_callback[1])
-        except BaseException:
-            L.rp_run_config_destroy(handle)
-            raise
-        return handle
+def engine_merge(merge):
+    """rp_run_config_set_merge_output's value for a merge_output: 1 or 0 when the engine does
+    the merge asked for (True, False, TensorChunkSpec(0)), None when unset or custom."""
+    if merge is True or merge is False:
+        return int(merge)
+    if _is_chunk_spec(merge) and merge.split_dim == 0:
+        return 1
+    return None
+
+
+def is_custom_merge(merge):
+    """A merge_output the binding does itself: a function, a _CustomReducer or a
+    TensorChunkSpec along a dimension other than 0."""
+    return merge is not None and engine_merge(merge) is None

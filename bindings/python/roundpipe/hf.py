@@ -3,8 +3,9 @@
 The engine builds these models itself from a config.json text (``rp_model_create_from_hf_config``)
 or a model directory (``rp_model_create_from_hf``), as the layer list token_embedding,
 num_hidden_layers x decoder_layer, rms_norm, lm_head (docs/semantics.md). This module decides
-which of those a Python object asks for, maps the engine's parameter names to Hugging Face's, and
-turns the keyword inputs of a Hugging Face forward call into the engine's positional inputs.
+which of those a Python object asks for, matches a transformers model's tensors to the engine's
+parameters (by the Hugging Face names the engine gives them, ``rp_param_hf_name``), and turns the
+keyword inputs of a Hugging Face forward call into the engine's positional inputs.
 
 transformers is never imported here: a transformers model is recognised by its class names and
 read through ``config.to_json_string`` and ``state_dict``.
@@ -121,29 +122,16 @@ def hf_directory(path):
     return config, has_weights
 
 
-def hf_name(engine_name, num_hidden_layers):
-    """The Hugging Face tensor name of engine parameter `engine_name` ("3.mlp.up_proj.weight" ->
-    "model.layers.2.mlp.up_proj.weight"), after the table in docs/semantics.md."""
-    layer, _, local = engine_name.partition(".")
-    layer = int(layer)
-    if layer == 0:
-        return "model.embed_tokens." + local
-    if layer <= num_hidden_layers:
-        return "model.layers.%d.%s" % (layer - 1, local)
-    if layer == num_hidden_layers + 1:
-        return "model.norm." + local
-    return "lm_head." + local
-
-
-def module_weights(module, engine_params, num_hidden_layers, tied):
+def module_weights(module, engine_params, tied):
     """(engine name, source tensor, module parameter name) for every engine parameter, taken from
-    the transformers model's state dict by Hugging Face name. Raises RoundPipeUnsupportedError,
-    before anything is copied, when a tensor is missing or of another shape, or when the module
-    holds tensors the engine's model has no place for (adapters, extra heads)."""
+    the transformers model's state dict by Hugging Face name. `engine_params` holds (engine
+    name, Hugging Face name, shape) of every parameter, the names as the engine gives them
+    (``rp_param_hf_name``). Raises RoundPipeUnsupportedError, before anything is copied, when a
+    tensor is missing or of another shape, or when the module holds tensors the engine's model
+    has no place for (adapters, extra heads)."""
     state = module.state_dict()
     out, used, problems = [], set(), []
-    for engine_name, shape in engine_params:
-        name = hf_name(engine_name, num_hidden_layers)
+    for engine_name, name, shape in engine_params:
         tensor = state.get(name)
         if tensor is None:
             problems.append("%s (engine %s) is missing" % (name, engine_name))

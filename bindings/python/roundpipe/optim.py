@@ -15,33 +15,26 @@ models; a model refuses a step of another kind than the one that created its sta
 Hyperparameters are validated by the engine when set (RoundPipeError).
 """
 
-import ctypes
-
 from . import _capi
-from ._capi import lib
+from ._internals import Optimizer
 
 
 class BuiltinOptimizer:
-    """Base class: owns an ``rp_optimizer`` handle (close() / context manager / __del__)."""
+    """Base class: settings over an ``rp_optimizer`` (owned by ``_internals.Optimizer``:
+    close() / context manager / __del__)."""
 
     _kind = None
 
     def __init__(self):
-        self._handle = None
-        handle = _capi.rp_optimizer_p()
-        lib().rp_optimizer_create(ctypes.byref(handle), self._kind)
-        self._handle = handle
+        self._settings = Optimizer(self._kind)
 
     @property
     def handle(self):
-        if self._handle is None:
-            raise ValueError("this optimizer settings object was closed")
-        return self._handle
+        """The ``rp_optimizer *`` (ctypes); ValueError once closed."""
+        return self._settings.handle
 
     def close(self):
-        handle, self._handle = self._handle, None
-        if handle is not None and handle.value:
-            lib().rp_optimizer_destroy(handle)
+        self._settings.close()
 
     def __enter__(self):
         return self
@@ -49,19 +42,13 @@ class BuiltinOptimizer:
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
     @property
     def lr(self):
         return self._lr
 
     @lr.setter
     def lr(self, value):
-        lib().rp_optimizer_set_learning_rate(self.handle, float(value))
+        self._settings.set("learning_rate", float(value))
         self._lr = float(value)
 
     @property
@@ -70,7 +57,7 @@ class BuiltinOptimizer:
 
     @weight_decay.setter
     def weight_decay(self, value):
-        lib().rp_optimizer_set_weight_decay(self.handle, float(value))
+        self._settings.set("weight_decay", float(value))
         self._weight_decay = float(value)
 
 
@@ -93,7 +80,7 @@ class AdamW(BuiltinOptimizer):
     @betas.setter
     def betas(self, value):
         b1, b2 = (float(v) for v in value)
-        lib().rp_optimizer_set_betas(self.handle, b1, b2)
+        self._settings.set("betas", b1, b2)
         self._betas = (b1, b2)
 
     @property
@@ -102,7 +89,7 @@ class AdamW(BuiltinOptimizer):
 
     @eps.setter
     def eps(self, value):
-        lib().rp_optimizer_set_eps(self.handle, float(value))
+        self._settings.set("eps", float(value))
         self._eps = float(value)
 
     def __repr__(self):
@@ -127,7 +114,7 @@ class SGD(BuiltinOptimizer):
 
     @momentum.setter
     def momentum(self, value):
-        lib().rp_optimizer_set_momentum(self.handle, float(value))
+        self._settings.set("momentum", float(value))
         self._momentum = float(value)
 
     def __repr__(self):

@@ -6,7 +6,8 @@ from .config import RoundPipeRunConfig
 from .convert import SUPPORTED_INPUTS, convert_module
 from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
-from .model import RoundPipe, _call_site_name, _parse_host_memory
+from ._args import call_site_name, parse_host_memory
+from .model import RoundPipe
 
 
 def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024,
@@ -36,9 +37,9 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
     anything is built. Extra keyword arguments go to :class:`RoundPipe` (e.g.
     ``devices=("cpu", 2)``).
     """
-    _parse_host_memory(host_memory)  # fail before converting anything
+    parse_host_memory(host_memory)  # fail before converting anything
     if name is None:
-        name = _call_site_name()
+        name = call_site_name()
     if skip_modules or override_config:
         raise RoundPipeUnsupportedError("skip_modules and override_config need upstream's "
                                         "recursive wrapping, which the C engine does not do. "
