@@ -143,11 +143,11 @@ class DecoderLayer final : public Layer {
         rotary(positions, b, t, x, cos, sin);
         q = q * cos + rotate_half(q) * sin;
         k = k * cos + rotate_half(k) * sin;
-        k = repeat_kv(k);
-        v = repeat_kv(v);
 
         at::Tensor attn;
         if (mask.defined()) {
+            k = repeat_kv(k);
+            v = repeat_kv(v);
             TORCH_CHECK_VALUE(mask.dim() == 2 && mask.size(0) == b && mask.size(1) == t,
                               "decoder_layer: the attention mask (input 1) must be [batch, seq] = "
                               "[",
@@ -160,7 +160,9 @@ class DecoderLayer final : public Layer {
             at::Tensor allowed = at::logical_or(at::logical_and(causal, keep), self);
             attn = at::scaled_dot_product_attention(q, k, v, allowed);
         } else {
-            attn = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+            // Grouped-query attention inside the kernel: K and V are never copied per head.
+            attn = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true,
+                                                    std::nullopt, /*enable_gqa=*/true);
         }
         attn = attn.transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim});
         at::Tensor out = x + linear(attn, p, o_w_, o_b_);
@@ -252,10 +254,14 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
             at::Tensor g = logits.to(h.scalar_type());
             logits = at::Tensor();
             grad_h.narrow(0, start, len).copy_(at::mm(g, w));
-            if (low_precision)
-                grad_w.add_(at::mm(g.t(), hc));
-            else
+            if (!low_precision)
                 grad_w.addmm_(g.t(), hc);
+            else if (grad_w.is_cuda())
+                // bf16/fp16 inputs, fp32 accumulator: cuBLAS adds into grad_w (beta = 1), so no
+                // [vocab, dim] fp32 temporary is made and added once per chunk.
+                at::addmm_out(grad_w, grad_w, g.t(), hc, at::kFloat);
+            else
+                grad_w.add_(at::mm(g.t(), hc)); // the CPU has no mixed-dtype addmm
         }
         ctx->saved_data["grad_h"] = grad_h;
         ctx->saved_data["grad_w"] = grad_w;
