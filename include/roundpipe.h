@@ -15,13 +15,19 @@
  *   - Tensors cross this API only as DLPack DLManagedTensor. Inputs are borrowed for the call;
  *     tensors returned to you are yours: call their `deleter` when done.
  *   - rp_*_destroy functions return nothing, accept NULL, and wait for work in flight first.
- *   - One model may be driven from one thread at a time; different models are independent.
+ *   - One model may be driven from one thread at a time; different models are independent. A
+ *     call on a model that another thread is in a call on fails with RP_ERR_STATE ("busy") and
+ *     changes nothing; step callbacks may use the model from the optimizer thread.
  *   - No C++ exception and no abort crosses this API.
  *
  * Environment variables the library reads (every one it reads is listed here):
  *   - RP_OPTIMIZER_THREADS=N: cap the threads of the CPU optimizer's parallel loops (AdamW, SGD,
  *     the overflow check) at N >= 1; unset or invalid, libtorch's intra-op thread count is used.
  *     Read when a model's optimizer thread starts.
+ *   - RP_LOG_LEVEL=debug|info|warn|error: the lowest level of log message the library emits, to
+ *     any sink: it overrides the default sink's level (warn) and the `min_level` of
+ *     rp_set_log_callback. Unset or invalid (reported on stderr), those apply. Read at the first
+ *     use of the log.
  */
 #ifndef ROUNDPIPE_H
 #define ROUNDPIPE_H
@@ -143,6 +149,12 @@ RP_API const char *rp_version(void);
  * for and refuse to load on mismatch. Any thread. */
 RP_API int32_t rp_abi_version(void);
 
+/** Version of the libtorch this library was built against, as "MAJOR.MINOR.PATCH" ("2.11.0"):
+ * the library runs only with that torch (its libraries are found through the library's run
+ * path). Bindings that also load torch compare it with torch's own version at load. Static
+ * storage. Any thread. */
+RP_API const char *rp_torch_version(void);
+
 /** Short English name of a status ("invalid argument", ...). Static storage. Any thread. */
 RP_API const char *rp_status_string(rp_status status);
 
@@ -164,11 +176,34 @@ typedef void (*rp_log_fn)(int32_t level, const char *message, void *user_data);
 
 /**
  * Route library log messages at or above `min_level` to `fn` (NULL restores the default sink,
- * which writes RP_LOG_WARN and above to stderr). When it returns, no call to the previous sink
- * is in flight, so its user_data may be freed. Any thread.
+ * which writes RP_LOG_WARN and above to stderr). The environment variable RP_LOG_LEVEL, when
+ * set, overrides `min_level` (see the list at the top of this header). When it returns, no call
+ * to the previous sink is in flight, so its user_data may be freed. Any thread.
  * @return RP_OK, or RP_ERR_INVALID_ARGUMENT for a level outside rp_log_level.
  */
 RP_API rp_status rp_set_log_callback(rp_log_fn fn, int32_t min_level, void *user_data);
+
+/** Progress sink. `what` names the operation: "load " or "save " followed by the path given to
+ * the call (a file or a Hugging Face directory); `done` and `total` count bytes of tensor data,
+ * so done / total is the fraction complete. `what` is borrowed for the call. Called on the
+ * thread that made the call being reported, one call at a time across threads; the operation
+ * waits for it. Must not call back into RoundPipe. */
+typedef void (*rp_progress_fn)(const char *what, int64_t done, int64_t total, void *user_data);
+
+/**
+ * Report the progress of long operations to `fn` (NULL, the default: no reports). Process-wide,
+ * like the log sink. Reported: rp_model_create_from_hf and rp_model_load_hf ("load <dir>",
+ * checkpoint bytes copied into the model), rp_model_load ("load <path>", bytes read),
+ * rp_model_save_hf ("save <dir>") and rp_model_save ("save <path>"), bytes written. Each
+ * operation reports done == 0 first, then done after each piece of work (a tensor, or 64 MiB
+ * of a larger one) and, when it succeeds, exactly one report with done == total, its last; an
+ * operation that fails stops with done < total (its call returns the error). When this
+ * returns, no call to the previous sink is in flight, so its user_data may be freed.
+ * @param fn the sink, or NULL.
+ * @param user_data passed to every call of `fn`, borrowed until the sink is replaced.
+ * @return RP_OK. Thread: any thread.
+ */
+RP_API rp_status rp_set_progress_callback(rp_progress_fn fn, void *user_data);
 
 /**
  * Number of CUDA GPUs visible to this process (0 without a GPU or without a CUDA build).
@@ -378,6 +413,13 @@ RP_API rp_status rp_model_options_set_grad_scaler(rp_model_options *options, dou
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
 
+/** 1 (default): a step whose gradients hold inf or nan is skipped (weights and optimizer state
+ * unchanged, gradients dropped, a RP_LOG_WARN message), as a GradScaler does, for every dtype;
+ * with loss scaling on, the scaler's rule (skip and lower the scale) decides. 0: such steps run.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (not 0 or 1). */
+RP_API rp_status rp_model_options_set_skip_nonfinite_steps(rp_model_options *options,
+                                                           int32_t skip);
+
 /** Name shown in logs (copied; default "roundpipe"). @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
 RP_API rp_status rp_model_options_set_name(rp_model_options *options, const char *name);
 
@@ -409,7 +451,10 @@ RP_API rp_status rp_model_options_set_stage_plan(rp_model_options *options,
 RP_API rp_status rp_model_create(rp_model **out_model, const char *spec_json,
                                  const rp_model_options *options);
 
-/** Destroy a model after draining its pipeline and optimizer thread. NULL is ignored.
+/** Destroy a model after draining its pipeline and optimizer thread. NULL is ignored. A model
+ * that another thread is in a call on, or destroyed from its own step callback, is not destroyed
+ * (an RP_LOG_ERROR message says so): freeing it under the call would crash the call. Destroying a
+ * model while another thread may still start calls on it is undefined.
  * Tensors previously returned stay valid (they hold their own references). */
 RP_API void rp_model_destroy(rp_model *model);
 
@@ -451,9 +496,17 @@ RP_API rp_status rp_model_resolve_run_config(rp_run_config **out_config, const r
 RP_API rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
 
 /** Current loss scale (0 when loss scaling is off) and the number of steps skipped so far for
- * overflowing gradients. Read after rp_synchronize for the latest values. */
+ * overflowing (inf or nan) gradients. Read after rp_synchronize for the latest values. */
 RP_API rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps,
                                      const rp_model *model);
+
+/** Non-finite values met so far: training calls whose loss was inf or nan (each is also logged
+ * at RP_LOG_WARN), and steps skipped because their gradients held inf or nan (by the loss scaler
+ * or by rp_model_options_set_skip_nonfinite_steps; also counted by rp_model_grad_scale). Read
+ * after rp_synchronize for the latest step count. Thread: the thread driving this model. */
+RP_API rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses,
+                                           int64_t *out_skipped_steps,
+                                           const rp_model *model);
 
 /** The GPU memory cap in force (0 on CPU devices). */
 RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
@@ -468,15 +521,16 @@ RP_API rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elem
                                            const rp_model *model);
 
 /**
- * Timing record of the model's last rp_forward / rp_forward_backward, as Chrome trace JSON
- * (open it in chrome://tracing or Perfetto): one process per device, one thread per stream
- * ("weights", "activation_upload", "compute", "download"), one complete event per transfer or
- * microbatch computation, times in microseconds from the call's start, measured with CUDA
- * events on GPUs and the host clock on CPU devices (which record compute only). Each event's
- * args name the job, the stage and the kind (forward, tail, backward); a transfer's args also
- * hold "bytes", the bytes it moved, and "content", what it carried ("weights", "activations" or
- * "gradients": the stage's weight gradients). The host is one more process ("host") with one thread per
- * host activity ("caller", "optimizer", "gradients").
+ * Timing record of the model's last rp_forward / rp_forward_backward, as Chrome trace JSON (open it
+ * in chrome://tracing or Perfetto): one process per device (pid = device index), named by a
+ * "process_name" metadata event "cuda:<index>" for a GPU or "cpu <n>" for the n-th CPU worker
+ * device, one thread per stream ("weights", "activation_upload", "compute", "download"), one
+ * complete event per transfer or microbatch computation, times in microseconds from the call's
+ * start, measured with CUDA events on GPUs and the host clock on CPU devices (which record compute
+ * only). Each event's args name the job, the stage and the kind (forward, tail, backward); a
+ * transfer's args also hold "bytes", the bytes it moved, and "content", what it carried ("weights",
+ * "activations" or "gradients": the stage's weight gradients). The host is one more process
+ * ("host") with one thread per host activity ("caller", "optimizer", "gradients").
  * @param out_json receives the text; library-owned, valid until the next call on this model.
  * Thread: the thread driving this model.
  */
@@ -669,6 +723,10 @@ RP_API rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momen
  * updated weights are in use.
  * Calling it waits for the previous step if that one is still running: whatever it returns
  * (except RP_ERR_INVALID_ARGUMENT for bad arguments), every earlier step has finished.
+ * A parameter that received no gradient since the previous step (no rp_forward_backward reached
+ * it, and no rp_param_grad view of it was taken) is left alone, its optimizer state and step
+ * count included, as torch.optim leaves a parameter whose .grad is None. A step whose gradients
+ * hold inf or nan is skipped by default (rp_model_options_set_skip_nonfinite_steps).
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT; RP_ERR_STATE when the model already holds optimizer
  *         state of another kind; RP_ERR_CALLBACK when a previous callback step failed.
  * Thread: the thread driving this model.
@@ -751,14 +809,22 @@ RP_API rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, si
  * ------------------------------------------------------------------------------------------- */
 
 /** Save the latest weights (synchronizes first) to a safetensors file, in the model dtype,
- * with the parameter names. Written to a temporary file in the same folder, then renamed.
+ * with the parameter names. Crash-safe: the file is written and synced as "<path>.tmp.<pid>" in
+ * the same folder, renamed over `path`, and the folder synced, so `path` holds the old weights
+ * or the new ones, whole, after a failure, a kill or a power cut. A temporary that a killed save
+ * left is removed by the next save to `path` (docs/semantics.md, "Crash safety").
  * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (message names the path). */
 RP_API rp_status rp_model_save(rp_model *model, const char *path);
 
 /** Load every parameter from a safetensors file (any float dtype, converted). The file must hold
- * every parameter with the right shape; nothing is changed unless all of them load.
+ * every parameter with the right shape; nothing is changed unless all of them load. The whole
+ * header is checked before any tensor is read or allocated (offsets inside the file's real size,
+ * shapes whose size fits int64, names, shapes and dtypes against the model), and only the
+ * model's tensors are read: others are skipped, however large they claim to be.
  * Synchronizes first. Optimizer state is kept; accumulated gradients are dropped.
- * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (message names the file and tensor). */
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (a missing, corrupt or truncated file, a
+ *         directory; the message names the file and, where it applies, the tensor and the
+ *         offending value). */
 RP_API rp_status rp_model_load(rp_model *model, const char *path);
 
 /* ---------------------------------------------------------------------------------------------
@@ -809,8 +875,10 @@ RP_API rp_status rp_model_create_from_hf_config(rp_model **out_model, const char
 /**
  * Load the weights of a Hugging Face directory into a model built by rp_model_create_from_hf or
  * rp_model_create_from_hf_config (config.json of `dir` is not read). Every tensor is checked
- * before any weight changes: on error the model is unchanged. Synchronizes first; optimizer state
- * is kept; accumulated gradients are dropped. Later saves use the layout of `dir`.
+ * before any weight changes: on error the model is unchanged. Only model.safetensors or the shards
+ * the index names are opened (never the files of an unfinished save), and tensors the model does
+ * not use are never read. Synchronizes first; optimizer state is kept; accumulated gradients are
+ * dropped. Later saves use the layout of `dir`.
  * @param model the model.
  * @param dir the directory, borrowed.
  * @return RP_OK; RP_ERR_IO as for rp_model_create_from_hf; RP_ERR_STATE for a model not built
@@ -823,9 +891,16 @@ RP_API rp_status rp_model_load_hf(rp_model *model, const char *dir);
  * Save the latest weights (synchronizes first) as a Hugging Face directory that transformers
  * loads unchanged: config.json (its "dtype" set to the model dtype) and the weights in the model
  * dtype with Hugging Face tensor names, in the layout of the checkpoint last loaded (one file, or
- * the same shards and index). `dir` is created if missing (its parent must exist). Every file is
- * written under a temporary name first and renamed into place only when all are complete, so a
- * failure while writing leaves the previous files intact. Tokenizer files are not copied.
+ * the same shards and index). `dir` is created if missing (its parent must exist). Tokenizer
+ * files are not copied. Crash-safe: after a failure, a kill or a power cut at any moment, `dir`
+ * loads (here and in transformers) as the old weights or the new ones, never a mix. One file is
+ * written and synced under a temporary name, then renamed over model.safetensors. Shards are
+ * written beside the old ones (under the layout's names, or, where a load may be reading those,
+ * as "<stem>.rp-gen<N>.safetensors"), then model.safetensors.index.json, written last, switches
+ * to them in one rename, and the old shards are removed. config.json is replaced, by its own
+ * rename right after the weights, only when it changes. What a killed save left (temporaries,
+ * shards no index names) is removed by the next save to `dir` (docs/semantics.md, "Crash
+ * safety").
  * @param model the model.
  * @param dir the directory, borrowed.
  * @return RP_OK; RP_ERR_IO (the message names the path); RP_ERR_STATE for a model not built from

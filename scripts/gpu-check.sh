@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU check, in one command for a lent GPU machine: configure against PyTorch's
 # libtorch, build with CUDA, run the gpu-labelled tests, the CPU suite with a GPU visible, and
-# the C example on the GPU. Logs go to $OUT (or /tmp/rp-gpu-check); the last line is a summary.
+# the C example on the GPU, then the gpu-labelled tests once more under compute-sanitizer (memcheck,
+# then racecheck). Logs go to $OUT (or /tmp/rp-gpu-check); the last line is a summary.
+#
+# compute-sanitizer is looked for in $COMPUTE_SANITIZER, on PATH, in $CUDA_HOME/bin and
+# /usr/local/cuda/bin, in .compute-sanitizer/ (NVIDIA's nvidia-cuda-sanitizer-api wheel for torch's
+# CUDA major version, unzipped there; an ignored folder a device call can carry), and in the
+# wheel's place in python3's site-packages. RP_GPU_SANITIZE=0 skips that step;
+# RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
+# 1800) bounds each tool's run.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/rp-gpu-check}
@@ -32,10 +40,51 @@ step gpu_tests ctest --test-dir "$build" -L gpu --output-on-failure
 [ -f "$RP_TRACE_OUT" ] && python3 "$root/bench/trace_summary.py" "$RP_TRACE_OUT" > "$out/trace_summary.json" &&
   echo "trace of the 4x-cap model: $(cat "$out/trace_summary.json")"
 # The CPU suite again, now with a GPU visible: CPU devices must still be chosen where asked for.
-# Rust needs cargo and the ABI gate needs SWIG, which the GPU machines lack; CI runs both.
-step cpu_tests ctest --test-dir "$build" -L cpu -E '^(rust|abi_gate)$' -j8 --output-on-failure
+# Rust needs cargo, the ABI gate SWIG and the install tests PyPI and cargo, which the GPU
+# machines lack; CI runs them.
+step cpu_tests ctest --test-dir "$build" -L cpu -E '^(rust|abi_gate|install_.*)$' -j8 --output-on-failure
 step example_gpu "$build/examples/c/train_mlp" --device auto
+
+# The gpu tests under compute-sanitizer, once per tool. Each process writes its own report
+# (sanitizer_<tool>.<pid>.txt); a test with an error exits 1 (--error-exitcode), so ctest's own
+# log names it. The libtorch caching allocator stays on (the memory-cap tests need it), so
+# memcheck sees overruns of whole allocations, not of tensors inside one.
+find_compute_sanitizer() {
+  local c site
+  site=$(python3 -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
+  for c in "${COMPUTE_SANITIZER:-}" "$(command -v compute-sanitizer 2>/dev/null)" \
+      "${CUDA_HOME:-/nonexistent}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer \
+      "$root"/.compute-sanitizer/nvidia/cu*/bin/compute-sanitizer \
+      "$root"/.compute-sanitizer/bin/compute-sanitizer "$site"/nvidia/cu*/bin/compute-sanitizer; do
+    [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return 0; }
+  done
+  return 1
+}
+sanitizer_line="not run"
+if [ "${RP_GPU_SANITIZE:-1}" = 0 ]; then
+  sanitizer_line="skipped (RP_GPU_SANITIZE=0)"
+elif ! cs=$(find_compute_sanitizer); then
+  sanitizer_line="compute-sanitizer not found"
+  echo "compute-sanitizer: not found (see the head of this script)"
+  status=failed
+else
+  "$cs" --version > "$out/sanitizer_version.txt" 2>&1
+  sanitizer_line=""
+  for tool in memcheck racecheck; do
+    rm -f "$out/sanitizer_$tool".*.txt
+    step "sanitizer_$tool" env -u RP_TRACE_OUT timeout --kill-after=30 "${RP_GPU_SANITIZE_TIMEOUT:-1800}" \
+      "$cs" --tool "$tool" --target-processes all --error-exitcode 1 --print-limit 200 \
+      --log-file "$out/sanitizer_$tool.%p.txt" \
+      ctest --test-dir "$build" -L gpu ${RP_GPU_SANITIZE_TESTS:+-R "$RP_GPU_SANITIZE_TESTS"} --output-on-failure
+    errors=$(cat "$out/sanitizer_$tool".*.txt 2>/dev/null |
+      sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' | awk '{n += $1} END {print n + 0}')
+    tests=$(grep -E "tests passed|tests failed" "$out/sanitizer_$tool.log" | tail -1)
+    sanitizer_line="${sanitizer_line:+$sanitizer_line, }$tool $errors errors (${tests:-no ctest summary})"
+    [ "$errors" = 0 ] || status=failed
+  done
+fi
+
 gpu_line=$(grep -E "tests passed|tests failed" "$out/gpu_tests.log" | tail -1)
 cpu_line=$(grep -E "tests passed|tests failed" "$out/cpu_tests.log" | tail -1)
-echo "SUMMARY: $status; gpu: ${gpu_line:-none}; cpu: ${cpu_line:-none}; device: $(head -1 "$out/gpu.txt")"
+echo "SUMMARY: $status; gpu: ${gpu_line:-none}; cpu: ${cpu_line:-none}; compute-sanitizer: $sanitizer_line; device: $(head -1 "$out/gpu.txt")"
 [ "$status" = ok ]

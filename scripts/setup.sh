@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up RoundPipe on a Debian 12 machine: system packages, Python packages (torch, pytest, numpy),
-# configure and build (Ninja, Release), then run the main C example.
+# Set up RoundPipe on a Debian 12 machine: system packages, Python packages (torch, pytest, numpy,
+# tqdm, matplotlib), configure and build (Ninja, Release), then run the first-run C example
+# (a small language model learning English for about a minute; its output goes to
+# <build>/first_run).
 # Idempotent: on a machine that has everything, it only re-runs CMake, the (incremental) build
 # and the example. Run as root, or as a user with sudo for the apt step.
 #
@@ -28,8 +30,11 @@ rp_phase() {
 
 # 1. Debian packages (only the missing ones; apt-get update only when something is missing).
 install_system_packages() {
+    # clang, its sanitizer and libFuzzer runtimes, LLVM's OpenMP and llvm-symbolizer: the
+    # sanitizer build of scripts/sanitize.sh (which scripts/test.sh runs).
     local packages=(build-essential cmake ninja-build pkg-config libcmocka-dev nlohmann-json3-dev
-        swig python3 python3-pip python3-venv ca-certificates)
+        swig python3 python3-pip python3-venv ca-certificates
+        clang libclang-rt-14-dev libomp-dev llvm)
     rp_cargo_path
     if ! command -v cargo >/dev/null 2>&1; then
         packages+=(cargo rustc) # Debian's Rust; a rustup install on PATH is used as it is
@@ -55,17 +60,23 @@ install_system_packages() {
         "${missing[@]}"
 }
 
-# 2. Python packages.
+# 2. Python packages. tqdm draws the binding's progress bars; matplotlib the examples' loss plots
+# and bench/plot_trace.py.
+rp_python_extras_ok() {
+    "$RP_PYTHON" -c 'import importlib.metadata as md; md.version("tqdm"); md.version("matplotlib")' \
+        >/dev/null 2>&1
+}
 install_python_packages() {
     rp_select_python create
-    if rp_python_deps_ok; then
-        rp_log "torch $RP_TORCH_VERSION, pytest and numpy already installed for $RP_PYTHON"
+    if rp_python_deps_ok && rp_python_extras_ok; then
+        rp_log "torch $RP_TORCH_VERSION, pytest, numpy, tqdm and matplotlib already installed for $RP_PYTHON"
         return 0
     fi
-    rp_log "installing torch==$RP_TORCH_VERSION, pytest and numpy for $RP_PYTHON"
+    rp_log "installing torch==$RP_TORCH_VERSION, pytest, numpy, tqdm and matplotlib for $RP_PYTHON"
     "$RP_PYTHON" -m pip install --disable-pip-version-check --progress-bar off \
-        "torch==$RP_TORCH_VERSION" pytest numpy
-    rp_python_deps_ok || rp_die "torch $RP_TORCH_VERSION, pytest or numpy still missing after pip"
+        "torch==$RP_TORCH_VERSION" pytest numpy tqdm matplotlib
+    rp_python_deps_ok && rp_python_extras_ok ||
+        rp_die "torch $RP_TORCH_VERSION, pytest, numpy, tqdm or matplotlib still missing after pip"
 }
 
 install_system_packages
@@ -83,9 +94,9 @@ rp_phase "configure"
 rp_build
 rp_phase "build"
 
-example=$RP_BUILD_DIR/examples/c/train_mlp
+example=$RP_BUILD_DIR/examples/c/train_tiny_lm
 [ -x "$example" ] || rp_die "$example was not built (is RP_BUILD_EXAMPLES off in $RP_BUILD_DIR?)"
 rp_log "running $example"
-"$example"
+PYTHON="$RP_PYTHON" "$example" --out "$RP_BUILD_DIR/first_run"
 rp_phase "example"
 rp_log "set-up complete; run the tests with: bash scripts/test.sh"

@@ -7,6 +7,8 @@
 #   bash scripts/test.sh -R equivalence  # extra arguments go to ctest
 #
 # Tests labelled "gpu" run only when nvidia-smi sees a GPU (RP_TEST_GPU=0/1 overrides).
+# Then, unless ctest arguments were given or RP_TEST_SANITIZE=0, scripts/sanitize.sh: the fuzz
+# targets and the CPU C tests in a second, sanitized build (build-sanitize/).
 # Limits: each test has its own TIMEOUT (default 900 s); the whole run RP_TEST_TIMEOUT seconds
 # (default 1800). Exits non-zero when any test fails or none was found.
 set -euo pipefail
@@ -41,5 +43,22 @@ else
 fi
 
 cd "$RP_BUILD_DIR"
+status=0
 timeout --kill-after=30 "${RP_TEST_TIMEOUT:-1800}" \
-    ctest --output-on-failure --no-tests=error --timeout 900 "${labels[@]}" "$@"
+    ctest --output-on-failure --no-tests=error --timeout 900 "${labels[@]}" "$@" || status=$?
+
+# Then the sanitizer run (scripts/sanitize.sh): a clang build with ASan + UBSan, each fuzz target
+# of tests/fuzz for 60 s, the CPU C tests under the sanitizers. It runs when no ctest arguments
+# were given; RP_TEST_SANITIZE=0 skips it, RP_TEST_SANITIZE=1 runs it anyway.
+sanitize=${RP_TEST_SANITIZE:-}
+if [ -z "$sanitize" ]; then
+    sanitize=1
+    [ $# -gt 0 ] && sanitize=0
+fi
+if [ "$sanitize" = 1 ]; then
+    cd "$RP_ROOT"
+    bash scripts/sanitize.sh || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+else
+    rp_log "sanitizer run skipped (RP_TEST_SANITIZE=0 or ctest arguments given)"
+fi
+exit "$status"

@@ -1,6 +1,7 @@
 /*
  * example_util.h - small helpers shared by the C examples: status checking, borrowed DLPack
- * tensors over plain C arrays, reading an output tensor back, and a scratch folder.
+ * tensors over plain C arrays, reading an output tensor back, a progress display and a scratch
+ * folder.
  *
  * Not part of the RoundPipe API: copy what you need into your own program.
  */
@@ -104,6 +105,23 @@ done:
     if (t->deleter)
         t->deleter(t);
     return copy;
+}
+
+/* A one-line progress display for loading and saving weights, on stderr: install it with
+ * rp_set_progress_callback(example_show_progress, NULL). The library calls it on the thread that
+ * loads or saves; on a terminal the line is rewritten in place, elsewhere (a log file) only the
+ * completed operation is printed. */
+static inline void example_show_progress(const char *what, int64_t done, int64_t total,
+                                         void *user_data) {
+    (void)user_data;
+    if (done < total && !isatty(fileno(stderr)))
+        return;
+    const int percent = total > 0 ? (int)(100 * done / total) : 100;
+    fprintf(stderr, "\r%s: %3d%% (%.1f of %.1f MB)", what, percent, (double)done / 1e6,
+            (double)total / 1e6);
+    if (done == total)
+        fputc('\n', stderr);
+    fflush(stderr);
 }
 
 /* A scratch folder for the weights file: $TMPDIR (or /tmp)/roundpipe-example-XXXXXX. */

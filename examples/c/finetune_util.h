@@ -103,6 +103,8 @@ static inline int ft_main(int argc, char **argv, const char *family, const char 
         }
     }
 
+    /* Saving and loading the Hugging Face directory show their progress on one line. */
+    CHECK(rp_set_progress_callback(example_show_progress, NULL));
     static ft_batch batch;
     ft_make_batch(&batch, vocab);
     const int64_t shape[2] = {FT_BATCH, FT_SEQ};

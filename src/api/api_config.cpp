@@ -292,6 +292,15 @@ rp_status rp_model_options_set_grad_scaler(rp_model_options *options, double ini
     });
 }
 
+rp_status rp_model_options_set_skip_nonfinite_steps(rp_model_options *options, int32_t skip) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(skip == 0 || skip == 1,
+                "skip_nonfinite_steps must be 0 or 1, got " + std::to_string(skip));
+        options->options.skip_nonfinite_steps = skip == 1;
+    });
+}
+
 rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed) {
     return guard([&] {
         require_arg(options, "options is NULL");

@@ -1,7 +1,12 @@
-// Versions, status strings, errors, logging, device discovery.
+// Versions, status strings, errors, logging, progress, device discovery.
+#include <cstring>
+
 #include "api/api_guard.h"
 #include "base/log.h"
+#include "base/progress.h"
 #include "engine/model.h"
+
+#include <torch/version.h> // TORCH_VERSION: the libtorch this file is compiled against
 
 using namespace rp;
 
@@ -11,8 +16,15 @@ const char *rp_version(void) { return RP_VERSION_STRING; }
 
 int32_t rp_abi_version(void) { return RP_ABI_VERSION; }
 
+const char *rp_torch_version(void) { return TORCH_VERSION; }
+
 const char *rp_status_string(rp_status status) {
-    switch (status) {
+    // A C caller may pass any int: read the bits, since loading an out-of-range value as the C++
+    // enum is undefined behaviour.
+    int32_t code;
+    static_assert(sizeof code == sizeof status, "rp_status is an int");
+    std::memcpy(&code, &status, sizeof code);
+    switch (code) {
     case RP_OK:
         return "ok";
     case RP_ERR_INVALID_ARGUMENT:
@@ -45,6 +57,17 @@ rp_status rp_set_log_callback(rp_log_fn fn, int32_t min_level, void *user_data) 
                 fn(static_cast<int32_t>(level), message.c_str(), user_data);
             };
         set_log_sink(std::move(sink), static_cast<LogLevel>(min_level));
+    });
+}
+
+rp_status rp_set_progress_callback(rp_progress_fn fn, void *user_data) {
+    return guard([&] {
+        ProgressSink sink;
+        if (fn)
+            sink = [fn, user_data](const std::string &what, int64_t done, int64_t total) {
+                fn(what.c_str(), done, total, user_data);
+            };
+        set_progress_sink(std::move(sink));
     });
 }
 

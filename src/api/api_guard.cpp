@@ -56,6 +56,10 @@ rp_status status_from_current_exception() {
     } catch (const c10::Error &e) {
         std::string msg = e.what_without_backtrace();
         set_last_error(msg);
+        // libtorch's CPU allocator reports a failed allocation as a plain c10::Error.
+        if (msg.find("can't allocate memory") != std::string::npos ||
+            msg.find("out of memory") != std::string::npos)
+            return RP_ERR_OUT_OF_MEMORY;
         return msg.find("CUDA") != std::string::npos ? RP_ERR_CUDA : RP_ERR_INTERNAL;
     } catch (const std::bad_alloc &) {
         set_last_error("out of host memory");

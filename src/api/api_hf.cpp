@@ -1,6 +1,7 @@
 // Hugging Face model directories: argument checks around src/hf.
 #include "api/api_guard.h"
 #include "api/handles.h"
+#include "api/model_call.h"
 
 using namespace rp;
 
@@ -54,6 +55,7 @@ rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *confi
 
 rp_status rp_model_load_hf(rp_model *model, const char *dir) {
     return guard([&] {
+        ModelCall hold(model);
         HfModelInfo &hf = hf_of(model);
         require_arg(dir, "dir is NULL");
         require(!model->model->on_optimizer_thread(),
@@ -64,6 +66,7 @@ rp_status rp_model_load_hf(rp_model *model, const char *dir) {
 
 rp_status rp_model_save_hf(rp_model *model, const char *dir) {
     return guard([&] {
+        ModelCall hold(model);
         HfModelInfo &hf = hf_of(model);
         require_arg(dir, "dir is NULL");
         require(!model->model->on_optimizer_thread(),
@@ -74,6 +77,7 @@ rp_status rp_model_save_hf(rp_model *model, const char *dir) {
 
 rp_status rp_param_hf_name(const char **out_name, const rp_model *model, size_t index) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_name, "out_name is NULL");
         require_arg(model && model->model, "model is NULL");
         if (!model->hf)

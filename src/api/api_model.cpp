@@ -2,6 +2,8 @@
 #include "api/api_guard.h"
 #include "api/dlpack_bridge.h"
 #include "api/handles.h"
+#include "api/model_call.h"
+#include "base/log.h"
 #include "api/trace_json.h"
 #include "engine/cuda_memory.h"
 #include "layers/spec_parser.h"
@@ -9,16 +11,6 @@
 using namespace rp;
 
 namespace {
-
-Model &model_of(rp_model *m) {
-    require_arg(m && m->model, "model is NULL");
-    return *m->model;
-}
-
-const Model &model_of(const rp_model *m) {
-    require_arg(m && m->model, "model is NULL");
-    return *m->model;
-}
 
 // Inputs may sit in GPU memory only when the model computes on GPUs.
 int input_gpus(const Model &m) { return m.has_cuda_devices() ? visible_cuda_devices() : 0; }
@@ -97,6 +89,13 @@ rp_status rp_model_create(rp_model **out_model, const char *spec_json,
 void rp_model_destroy(rp_model *model) {
     // Destruction drains the optimizer thread and joins the workers; nothing may escape.
     try {
+        if (model && model->model &&
+            (model->busy.load() || model->model->on_optimizer_thread())) {
+            // Freeing the model under a running call would crash that call: leak it instead.
+            log(LogLevel::Error, "rp_model_destroy: the model is in a call (on another thread, "
+                                 "or this is its step callback); it was not destroyed");
+            return;
+        }
         delete model;
     } catch (...) {
     }
@@ -104,33 +103,37 @@ void rp_model_destroy(rp_model *model) {
 
 rp_status rp_model_num_layers(int32_t *out_count, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_count, "out_count is NULL");
-        *out_count = static_cast<int32_t>(model_of(model).num_layers());
+        *out_count = static_cast<int32_t>(hold.model().num_layers());
     });
 }
 
 rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_count, "out_count is NULL");
-        *out_count = static_cast<int32_t>(model_of(model).num_stages());
+        *out_count = static_cast<int32_t>(hold.model().num_stages());
     });
 }
 
 rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_count, "out_count is NULL");
-        *out_count = static_cast<int32_t>(model_of(model).num_devices());
+        *out_count = static_cast<int32_t>(hold.model().num_devices());
     });
 }
 
 rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages,
                               int32_t capacity, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_num_stages, "out_num_stages is NULL");
         require_arg(capacity >= 0, "capacity is negative");
         require_arg(capacity == 0 || out_layers_per_stage,
                     "out_layers_per_stage is NULL but capacity > 0");
-        std::vector<int> plan = model_of(model).stage_plan();
+        std::vector<int> plan = hold.model().stage_plan();
         for (int32_t s = 0; s < capacity && s < static_cast<int32_t>(plan.size()); ++s)
             out_layers_per_stage[s] = plan[s];
         *out_num_stages = static_cast<int32_t>(plan.size());
@@ -140,8 +143,9 @@ rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_st
 rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model,
                                       const rp_run_config *call) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_config, "out_config is NULL");
-        ResolvedRunConfig r = model_of(model).resolve_run_config(config_of(call));
+        ResolvedRunConfig r = hold.model().resolve_run_config(config_of(call));
         auto handle = std::make_unique<rp_run_config>();
         handle->config = r.as_run_config();
         *out_config = handle.release();
@@ -150,41 +154,56 @@ rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model
 
 rp_status rp_model_step_count(int64_t *out_count, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_count, "out_count is NULL");
-        *out_count = model_of(model).steps_enqueued();
+        *out_count = hold.model().steps_enqueued();
     });
 }
 
 rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps,
                               const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_scale && out_skipped_steps, "output pointer is NULL");
-        const Model &m = model_of(model);
+        const Model &m = hold.model();
         *out_scale = m.grad_scale();
         *out_skipped_steps = m.skipped_steps();
     });
 }
 
+rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_skipped_steps,
+                                    const rp_model *model) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_nonfinite_losses && out_skipped_steps, "output pointer is NULL");
+        *out_nonfinite_losses = hold.model().nonfinite_losses();
+        *out_skipped_steps = hold.model().skipped_steps();
+    });
+}
+
 rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_bytes, "out_bytes is NULL");
-        *out_bytes = model_of(model).gpu_memory_cap();
+        *out_bytes = hold.model().gpu_memory_cap();
     });
 }
 
 rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
                                     const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_bytes && out_elements, "out_bytes or out_elements is NULL");
-        *out_bytes = model_of(model).host_state_bytes(out_elements);
+        *out_bytes = hold.model().host_state_bytes(out_elements);
     });
 }
 
 rp_status rp_model_trace_json(const char **out_json, rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_json, "out_json is NULL");
-        Model &m = model_of(model);
-        model->trace_json = chrome_trace_json(m.trace());
+        Model &m = hold.model();
+        model->trace_json = chrome_trace_json(m.trace(), trace_device_names(m));
         *out_json = model->trace_json.c_str();
     });
 }
@@ -237,8 +256,9 @@ rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model,
                      const DLManagedTensor *const *inputs, size_t n_inputs,
                      const rp_run_config *config) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_outputs, "out_outputs is NULL");
-        Model &m = model_of(model);
+        Model &m = hold.model();
         require(!m.on_optimizer_thread(), "rp_forward may not be called from a step callback");
         std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
         *out_outputs = make_output_list(m.forward(in, config_of(config)));
@@ -250,7 +270,8 @@ rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp
                               const DLManagedTensor *labels, const rp_loss *loss,
                               const rp_run_config *config) {
     return guard([&] {
-        Model &m = model_of(model);
+        ModelCall hold(model);
+        Model &m = hold.model();
         require(!m.on_optimizer_thread(),
                 "rp_forward_backward may not be called from a step callback");
         std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
@@ -267,7 +288,8 @@ rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp
 
 rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async) {
     return guard([&] {
-        Model &m = model_of(model);
+        ModelCall hold(model);
+        Model &m = hold.model();
         require_arg(optimizer, "optimizer is NULL");
         require(!m.on_optimizer_thread(), "rp_step may not be called from a step callback");
         m.step_builtin(optimizer->settings, is_async != 0);
@@ -276,12 +298,13 @@ rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_asy
 
 rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int32_t is_async) {
     return guard([&] {
-        Model &m = model_of(model);
+        ModelCall hold(model);
+        Model &m = hold.model();
         require_arg(fn, "step callback is NULL");
         require(!m.on_optimizer_thread(), "rp_step_callback may not be called from a step callback");
         m.step(
             // A callback updates every parameter at once: they become final when it returns.
-            [model, fn, user_data](const ParamDone &) {
+            [model, fn, user_data](const ParamDone &, const std::vector<uint8_t> &) {
                 int32_t rc = fn(model, user_data);
                 if (rc != 0)
                     fail(ErrorKind::Callback, "step callback returned " + std::to_string(rc));
@@ -292,7 +315,8 @@ rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int3
 
 rp_status rp_synchronize(rp_model *model) {
     return guard([&] {
-        Model &m = model_of(model);
+        ModelCall hold(model);
+        Model &m = hold.model();
         require(!m.on_optimizer_thread(), "rp_synchronize may not be called from a step callback");
         m.synchronize();
     });
@@ -300,7 +324,8 @@ rp_status rp_synchronize(rp_model *model) {
 
 rp_status rp_zero_grad(rp_model *model) {
     return guard([&] {
-        Model &m = model_of(model);
+        ModelCall hold(model);
+        Model &m = hold.model();
         require(!m.on_optimizer_thread(), "rp_zero_grad may not be called from a step callback");
         m.zero_grad();
     });

@@ -2,6 +2,7 @@
 #include "api/api_guard.h"
 #include "api/dlpack_bridge.h"
 #include "api/handles.h"
+#include "api/model_call.h"
 #include "io/safetensors.h"
 
 using namespace rp;
@@ -23,6 +24,7 @@ extern "C" {
 
 rp_status rp_param_count(size_t *out_count, const rp_model *model) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_count, "out_count is NULL");
         require_arg(model && model->model, "model is NULL");
         *out_count = model->model->params().size();
@@ -31,6 +33,7 @@ rp_status rp_param_count(size_t *out_count, const rp_model *model) {
 
 rp_status rp_param_name(const char **out_name, const rp_model *model, size_t index) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_name, "out_name is NULL");
         *out_name = param_of(model, index).name.c_str();
     });
@@ -38,6 +41,7 @@ rp_status rp_param_name(const char **out_name, const rp_model *model, size_t ind
 
 rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *name) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_index, "out_index is NULL");
         require_arg(model && model->model, "model is NULL");
         require_arg(name, "name is NULL");
@@ -50,6 +54,7 @@ rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *na
 rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity,
                          const rp_model *model, size_t index) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_ndim, "out_ndim is NULL");
         require_arg(capacity >= 0, "capacity is negative");
         require_arg(capacity == 0 || out_shape, "out_shape is NULL but capacity > 0");
@@ -62,6 +67,7 @@ rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity
 
 rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t index) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_tensor, "out_tensor is NULL");
         *out_tensor = export_dlpack(param_of(model, index).master);
     });
@@ -69,17 +75,21 @@ rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, size_t 
 
 rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t index) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(out_tensor, "out_tensor is NULL");
         const Param &p = param_of(model, index);
-        // Inside a step callback the optimizer sees the gradients of its own step.
-        *out_tensor = export_dlpack(model->model->on_optimizer_thread()
-                                         ? model->model->params().step_grad(index)
-                                         : p.grad);
+        // Inside a step callback the optimizer sees the gradients of its own step. Elsewhere the
+        // view may be written through: the next step counts the parameter as having a gradient.
+        const bool in_step = model->model->on_optimizer_thread();
+        if (!in_step)
+            model->model->gradient_exposed(index);
+        *out_tensor = export_dlpack(in_step ? model->model->params().step_grad(index) : p.grad);
     });
 }
 
 rp_status rp_model_save(rp_model *model, const char *path) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(model && model->model, "model is NULL");
         require_arg(path, "path is NULL");
         Model &m = *model->model;
@@ -94,27 +104,32 @@ rp_status rp_model_save(rp_model *model, const char *path) {
 
 rp_status rp_model_load(rp_model *model, const char *path) {
     return guard([&] {
+        ModelCall hold(model);
         require_arg(model && model->model, "model is NULL");
         require_arg(path, "path is NULL");
         Model &m = *model->model;
         require(!m.on_optimizer_thread(), "rp_model_load may not be called from a step callback");
-        std::vector<NamedTensor> file = read_safetensors(path);
-        // Match and check everything first: nothing changes unless every parameter loads.
-        std::vector<at::Tensor> values(m.params().size());
-        for (NamedTensor &nt : file) {
-            int64_t i = m.params().find(nt.name);
+        // Names, shapes and dtypes are matched from the header before any tensor is read, and
+        // tensors the model does not have are never read: a file may declare huge ones.
+        auto wanted = [&](const std::string &name, at::ScalarType type, at::IntArrayRef shape) {
+            int64_t i = m.params().find(name);
             if (i < 0)
-                continue;
+                return false;
             const at::Tensor &master = m.params().at(i).master;
-            if (nt.tensor.sizes() != master.sizes())
-                fail(ErrorKind::Io, std::string(path) + ": tensor \"" + nt.name + "\" has shape " +
-                                        c10::str(nt.tensor.sizes()) + " but the model expects " +
+            if (shape != master.sizes())
+                fail(ErrorKind::Io, std::string(path) + ": tensor \"" + name + "\" has shape " +
+                                        c10::str(shape) + " but the model expects " +
                                         c10::str(master.sizes()));
-            if (!at::isFloatingType(nt.tensor.scalar_type()))
-                fail(ErrorKind::Io, std::string(path) + ": tensor \"" + nt.name +
-                                        "\" is not floating point");
-            values[i] = nt.tensor.to(at::kFloat);
-        }
+            if (!at::isFloatingType(type))
+                fail(ErrorKind::Io,
+                     std::string(path) + ": tensor \"" + name + "\" is not floating point");
+            return true;
+        };
+        std::vector<NamedTensor> file = read_safetensors(path, wanted);
+        // Nothing changes unless every parameter loads.
+        std::vector<at::Tensor> values(m.params().size());
+        for (NamedTensor &nt : file)
+            values[m.params().find(nt.name)] = nt.tensor.to(at::kFloat);
         for (size_t i = 0; i < values.size(); ++i)
             if (!values[i].defined())
                 fail(ErrorKind::Io, std::string(path) + ": missing tensor \"" +

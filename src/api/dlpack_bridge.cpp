@@ -8,6 +8,13 @@ std::string dtype_name(DLDataType t) {
            std::to_string(t.lanes) + " lanes)";
 }
 
+std::string shape_of(const DLTensor &t) {
+    std::string s = "[";
+    for (int32_t d = 0; d < t.ndim; ++d)
+        s += (d ? ", " : "") + std::to_string(t.shape[d]);
+    return s + "]";
+}
+
 at::ScalarType scalar_type_of(DLDataType t, const std::string &what, bool allow_float64) {
     if (t.lanes == 1) {
         if (allow_float64 && t.code == kDLFloat && t.bits == 64)
@@ -44,12 +51,21 @@ void validate(const DLTensor &t, const std::string &what, int gpus) {
             what + " has " + std::to_string(t.ndim) + " dimensions (0 to 16 supported)");
     require(t.ndim == 0 || t.shape != nullptr, what + " has ndim > 0 but no shape");
     int64_t numel = 1;
+    bool empty = false;
     for (int32_t d = 0; d < t.ndim; ++d) {
         require(t.shape[d] >= 0, what + " has a negative size in dimension " + std::to_string(d));
-        numel *= t.shape[d];
+        empty = empty || t.shape[d] == 0;
     }
-    require(numel == 0 || t.data != nullptr, what + " has no data pointer");
-    if (t.strides) {
+    // The sizes come from outside: their product must fit an int64 (and its bytes too), or a
+    // wrapped product could pass every later check.
+    for (int32_t d = 0; d < t.ndim && !empty; ++d)
+        require(!__builtin_mul_overflow(numel, t.shape[d], &numel),
+                what + " has more elements than an int64 can count (shape " + shape_of(t) + ")");
+    int64_t bytes = 0;
+    require(empty || !__builtin_mul_overflow(numel, int64_t{(t.dtype.bits + 7) / 8}, &bytes),
+            what + " has more bytes than an int64 can count (shape " + shape_of(t) + ")");
+    require(empty || t.data != nullptr, what + " has no data pointer");
+    if (t.strides && !empty) { // an empty tensor has no layout to check
         int64_t expected = 1;
         for (int32_t d = t.ndim - 1; d >= 0; --d) {
             require(t.shape[d] == 1 || t.strides[d] == expected,

@@ -1,5 +1,6 @@
 // What the opaque handles of roundpipe.h hold.
 #pragma once
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@ struct rp_model_options {
 
 struct rp_model {
     std::unique_ptr<rp::Model> model;
+    std::atomic<bool> busy{false}; // an exported call holds the model (api/model_call.h)
     std::string trace_json; // backs the pointer rp_model_trace_json hands out
     std::unique_ptr<rp::HfModelInfo> hf; // models built from a Hugging Face config only
 };

@@ -1,9 +1,11 @@
 #include "engine/grad_accumulator.h"
 
+#include <cmath>
+
 namespace rp {
 
-GradAccumulator::GradAccumulator(ParamStore &store, HostTimeline &timeline)
-    : store_(store), timeline_(timeline), thread_([this] { loop(); }) {}
+GradAccumulator::GradAccumulator(ParamStore &store, GradFlags &flags, HostTimeline &timeline)
+    : store_(store), flags_(flags), timeline_(timeline), thread_([this] { loop(); }) {}
 
 GradAccumulator::~GradAccumulator() {
     {
@@ -23,14 +25,14 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor) {
     error_ = nullptr;
 }
 
-void GradAccumulator::add(std::vector<std::pair<size_t, at::Tensor>> grads, Transfer ready,
-                          DeviceLane &lane) {
+void GradAccumulator::add(std::vector<std::pair<size_t, at::Tensor>> grads, at::Tensor check,
+                          Transfer ready, DeviceLane &lane) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!buffers_zero_) {
-        held_.push_back({std::move(grads), std::move(ready), &lane});
+        held_.push_back({std::move(grads), std::move(check), std::move(ready), &lane});
         return;
     }
-    queue_.push_back({std::move(grads), std::move(ready), &lane});
+    queue_.push_back({std::move(grads), std::move(check), std::move(ready), &lane});
     ++in_flight_;
     changed_.notify_all();
 }
@@ -58,7 +60,10 @@ void GradAccumulator::end_call(bool succeeded) {
 void GradAccumulator::apply(const Item &item) {
     item.lane->wait(item.ready); // the download of these tensors has landed
     HostSpan span(timeline_, "gradients", "accumulate");
+    if (item.check.defined() && !std::isfinite(item.check.item<double>()))
+        flags_.mark_nonfinite();
     for (const auto &g : item.grads) {
+        flags_.mark(g.first);
         at::Tensor &dst = store_.at(g.first).grad;
         bool first;
         {

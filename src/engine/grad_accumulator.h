@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/device_lane.h"
+#include "engine/grad_flags.h"
 #include "engine/host_timeline.h"
 #include "engine/param_store.h"
 
@@ -25,14 +26,17 @@ namespace rp {
 
 class GradAccumulator {
   public:
-    GradAccumulator(ParamStore &store, HostTimeline &timeline);
+    GradAccumulator(ParamStore &store, GradFlags &flags, HostTimeline &timeline);
     ~GradAccumulator(); // drains, then joins
 
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
     void begin_call(bool buffers_zero, double factor);
-    // Worker threads: the (param, host tensor) pairs of one stage, ready after `ready` on `lane`.
-    void add(std::vector<std::pair<size_t, at::Tensor>> grads, Transfer ready, DeviceLane &lane);
+    // Worker threads: the (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
+    // and `check`, a 0-d host tensor holding the sum of those gradients (inf or nan when any
+    // element is), computed on the device so the host need not read them twice.
+    void add(std::vector<std::pair<size_t, at::Tensor>> grads, at::Tensor check, Transfer ready,
+             DeviceLane &lane);
     // Caller thread, after every job of the call has finished: waits for the additions, applies
     // or drops the call. Rethrows a failure of the additions themselves (the call then leaves
     // no trace when the buffers were zero).
@@ -41,6 +45,7 @@ class GradAccumulator {
   private:
     struct Item {
         std::vector<std::pair<size_t, at::Tensor>> grads;
+        at::Tensor check;
         Transfer ready;
         DeviceLane *lane;
     };
@@ -48,6 +53,7 @@ class GradAccumulator {
     void apply(const Item &item);
 
     ParamStore &store_;
+    GradFlags &flags_;
     HostTimeline &timeline_;
     std::mutex mutex_;
     std::condition_variable changed_;

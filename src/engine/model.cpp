@@ -1,6 +1,7 @@
 #include "engine/model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "base/error.h"
@@ -46,6 +47,7 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
     : name_(o.name), seed_(o.seed), layers_(std::move(layers)),
       store_(layers_, o.model_dtype, o.seed, host_memory_for(o), o.host_memory_mode),
       run_config_(o.run_config), pipeline_(choose_devices(o)),
+      skip_nonfinite_steps_(o.skip_nonfinite_steps),
       scaler_(o.grad_scale >= 0 ? o.grad_scale : (o.model_dtype == at::kHalf ? 65536.0 : 0.0),
               o.grad_scale_growth_interval) {
     explicit_plan_ = o.stage_plan;
@@ -287,6 +289,12 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)
         total += l.item<double>() / scale;
+    if (!std::isfinite(total)) {
+        ++nonfinite_losses_;
+        log(LogLevel::Warn, name_ + ": training call " + std::to_string(ctx.call_index) +
+                                ": the loss is " + std::to_string(total) +
+                                " (inputs or labels holding inf or nan, or an overflow)");
+    }
     if (outputs)
         *outputs = finish_outputs(std::move(ctx.outputs), cfg.merge_output, inputs);
     return total;
@@ -333,8 +341,8 @@ void Model::step(StepUpdate update, bool async) {
         store_.swap_grads();
     grads_zero_ = true; // the buffer the next call accumulates into is zeroed by the step
     ++enqueued_;
-    runner_.submit([this, update = std::move(update), number = enqueued_] {
-        run_step(update, number);
+    runner_.submit([this, update = std::move(update), grads = flags_.take(), number = enqueued_] {
+        run_step(update, grads, number);
     });
     if (!async) {
         publish_completed_step();
@@ -342,7 +350,24 @@ void Model::step(StepUpdate update, bool async) {
     }
 }
 
-void Model::run_step(const StepUpdate &update, int64_t number) {
+bool Model::step_may_proceed(const GradFlags::Snapshot &grads, int64_t number) {
+    if (scaler_.enabled()) {
+        if (scaler_.step_may_proceed(step_grads()))
+            return true;
+        log(LogLevel::Info, name_ + ": gradients overflowed; step skipped, loss scale now " +
+                                std::to_string(scaler_.scale()));
+        return false;
+    }
+    if (!grads.nonfinite || !skip_nonfinite_steps_)
+        return true;
+    ++nonfinite_skips_;
+    log(LogLevel::Warn, name_ + ": step " + std::to_string(number) +
+                            " skipped: the gradients hold inf or nan; the weights are unchanged");
+    return false;
+}
+
+void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
+                     int64_t number) {
     HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
     const bool saving = store_.saving();
     std::vector<bool> finished(saving ? store_.size() : 0, false);
@@ -358,11 +383,8 @@ void Model::run_step(const StepUpdate &update, int64_t number) {
     // next call; the error (if any) is reported by the next waiting call.
     std::exception_ptr error;
     try {
-        if (!scaler_.enabled() || scaler_.step_may_proceed(step_grads()))
-            update(param_done);
-        else
-            log(LogLevel::Info, name_ + ": gradients overflowed; step skipped, loss scale now " +
-                                    std::to_string(scaler_.scale()));
+        if (step_may_proceed(grads, number))
+            update(param_done, grads.has_grad);
     } catch (...) {
         error = std::current_exception();
     }
@@ -395,7 +417,7 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
                                    " state; use the same optimizer kind for every step");
     BuiltinOptimizer *opt = builtin_.get();
     step(
-        [this, opt, settings](const ParamDone &param_done) {
+        [this, opt, settings](const ParamDone &param_done, const std::vector<uint8_t> &has_grad) {
             std::vector<at::Tensor> params, lives;
             for (size_t i = 0; i < store_.size(); ++i) {
                 const Param &p = store_.at(i);
@@ -404,7 +426,7 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
                 const bool fuse = store_.saving() && p.live.scalar_type() == at::kBFloat16;
                 lives.push_back(fuse ? p.live : at::Tensor());
             }
-            opt->step(params, step_grads(), settings, param_done, lives);
+            opt->step(params, step_grads(), settings, param_done, lives, has_grad);
         },
         async);
 }
@@ -425,6 +447,7 @@ void Model::zero_grad() {
     if (store_.saving())
         runner_.wait_for(enqueued_); // a running step still reads the one gradient buffer
     store_.zero_grads();
+    flags_.clear();
     grads_zero_ = true;
 }
 

@@ -1,12 +1,14 @@
 // A RoundPipe model: layers, host parameter store, stage plan, device workers and the optimizer
 // thread, and the training-loop semantics that tie them (docs/semantics.md).
 #pragma once
+#include <atomic>
 #include <memory>
 #include <unordered_set>
 #include <string>
 #include <vector>
 
 #include "engine/grad_accumulator.h"
+#include "engine/grad_flags.h"
 #include "engine/grad_scaler.h"
 #include "engine/host_timeline.h"
 #include "engine/layer.h"
@@ -41,14 +43,18 @@ struct ModelOptions {
     double grad_scale = -1.0;
     int grad_scale_growth_interval = 2000;
     HostMemoryMode host_memory_mode = HostMemoryMode::Standard;
+    // Skip a step whose gradients hold inf or nan (with loss scaling on, its rule decides).
+    bool skip_nonfinite_steps = true;
 };
 
 // An optimizer update over master weights from step gradients. It may call `param_done` as
 // soon as parameter i is final, which lets the next call upload that parameter early in
 // memory-saving mode.
 // `published`: the update already refreshed the parameter's weight copy and zeroed its gradient.
+// `has_grad[i]`: parameter i received a gradient since the previous step.
 using ParamDone = BuiltinOptimizer::ParamDone;
-using StepUpdate = std::function<void(const ParamDone &param_done)>;
+using StepUpdate =
+    std::function<void(const ParamDone &param_done, const std::vector<uint8_t> &has_grad)>;
 
 int visible_cuda_devices();
 
@@ -89,7 +95,12 @@ class Model {
     bool on_optimizer_thread() const { return runner_.on_this_thread(); }
     int64_t gpu_memory_cap() const { return gpu_memory_cap_; }
     double grad_scale() const { return scaler_.enabled() ? scaler_.scale() : 0.0; }
-    int64_t skipped_steps() const { return scaler_.skipped_steps(); }
+    // Steps skipped for gradients holding inf or nan, by the loss scaler or the non-finite rule.
+    int64_t skipped_steps() const { return scaler_.skipped_steps() + nonfinite_skips_.load(); }
+    // Training calls whose loss was inf or nan.
+    int64_t nonfinite_losses() const { return nonfinite_losses_; }
+    // The API hands out a writable view of parameter i's gradient: count it as a gradient.
+    void gradient_exposed(size_t i) { flags_.mark(i); }
     // Host bytes of parameter state, built-in optimizer state included; `elements` receives the
     // parameter count.
     int64_t host_state_bytes(int64_t *elements) const;
@@ -104,7 +115,8 @@ class Model {
                                            const std::vector<at::Tensor> &inputs) const;
     void publish_completed_step();
     std::vector<at::Tensor> step_grads() const;
-    void run_step(const StepUpdate &update, int64_t number);
+    void run_step(const StepUpdate &update, const GradFlags::Snapshot &grads, int64_t number);
+    bool step_may_proceed(const GradFlags::Snapshot &grads, int64_t number);
     void gate_call(CallContext &ctx) const;
     void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                            const Loss *loss);
@@ -127,8 +139,12 @@ class Model {
     int64_t enqueued_ = 0;  // steps handed to the optimizer thread
     int64_t published_ = 0; // step whose weights the devices compute with
     bool grads_zero_ = true; // every accumulated-gradient buffer holds zeros
+    bool skip_nonfinite_steps_;
+    std::atomic<int64_t> nonfinite_skips_{0};
+    int64_t nonfinite_losses_ = 0;
     HostTimeline timeline_;
-    GradAccumulator gradients_{store_, timeline_};
+    GradFlags flags_{store_.size()};
+    GradAccumulator gradients_{store_, flags_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     GradScaler scaler_;
     StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds

@@ -1,9 +1,12 @@
 #include "engine/param_store.h"
 
+#include <cstdio>
+
 #include <ATen/Parallel.h>
 
 #include "engine/cuda_memory.h"
 #include "base/error.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "engine/seed.h"
 
@@ -27,7 +30,52 @@ void initialise(at::Tensor &t, const ParamSpec &spec, at::Generator &gen) {
     }
 }
 
+// Elements of a parameter whose shape came from outside (a spec, a config): the product must fit
+// an int64, or a wrapped count would pass every later check.
+int64_t checked_numel(const ParamSpec &spec, size_t layer, const Layer &owner) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape)
+        if (d < 0 || __builtin_mul_overflow(n, d, &n))
+            fail(ErrorKind::InvalidArgument,
+                 "layer " + std::to_string(layer) + " (" + owner.type() + "): parameter \"" +
+                     spec.name + "\" has more elements than an int64 can count");
+    return n;
+}
+
+std::string gib(double bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / double(int64_t{1} << 30));
+    return buf;
+}
+
 } // namespace
+
+int64_t ParamStore::bytes_per_element(at::ScalarType model_dtype, HostMemoryMode mode) {
+    const int64_t d = at::elementSize(model_dtype);
+    if (mode == HostMemoryMode::Saving) // master, weight copy (none for fp32), one gradient,
+        return model_dtype == at::kFloat ? 4 + 4 + 4 : 4 + d + 2 + 4; // bf16 moments
+    return 4 + 2 * d + 4 + 4 + 8; // master, two weight copies, two gradients, fp32 moments
+}
+
+void ParamStore::check_fits_host(int64_t elements, at::ScalarType model_dtype,
+                                 HostMemoryMode mode, const std::string &what) {
+    const int64_t available = available_host_memory_bytes();
+    const int64_t per = bytes_per_element(model_dtype, mode);
+    int64_t needed = 0;
+    const bool overflow = elements < 0 || __builtin_mul_overflow(elements, per, &needed);
+    if (available < 0 && !overflow)
+        return; // the kernel does not say; let the allocator decide
+    if (overflow || needed > available)
+        fail(ErrorKind::OutOfMemory,
+             what + " needs " + (overflow ? std::string("more bytes than an int64 counts")
+                                          : gib(static_cast<double>(needed))) +
+                 " of host memory for its parameter state (" + std::to_string(elements) +
+                 " parameters x " + std::to_string(per) +
+                 " bytes, optimizer state included), but the host has " +
+                 gib(static_cast<double>(available)) +
+                 " available (MemAvailable); use the memory-saving host mode, a 16-bit model "
+                 "dtype, or a smaller model");
+}
 
 ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
                        at::ScalarType model_dtype, uint64_t seed, HostMemory host_memory,
@@ -47,6 +95,15 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
     // Saving mode with fp32 weights: the devices read the master itself, so it is the buffer to
     // page-lock.
     const bool live_is_master = saving && model_dtype == at::kFloat;
+    int64_t elements = 0;
+    bool too_many = false; // more than an int64 counts: refused below
+    for (size_t l = 0; l < layers.size(); ++l)
+        for (const ParamSpec &spec : layers[l]->params())
+            if (spec.tied_to.empty())
+                too_many = __builtin_add_overflow(elements, checked_numel(spec, l, *layers[l]),
+                                                  &elements) ||
+                           too_many;
+    check_fits_host(too_many ? -1 : elements, model_dtype, mode, "the model");
     for (size_t l = 0; l < layers.size(); ++l) {
         for (const ParamSpec &spec : layers[l]->params()) {
             if (!spec.tied_to.empty()) {

@@ -42,11 +42,22 @@ void download_grads(CallContext &ctx, const StageWeights &w, DeviceLane &lane, s
             index.push_back(leaf.first);
             grads.push_back(leaf.second.grad());
         }
+    // One number on the device says whether any element is inf or nan: the sum in float64
+    // propagates both and cannot overflow, and the host is spared a second pass over the bytes.
+    at::Tensor check;
+    if (!grads.empty()) {
+        std::vector<at::Tensor> sums;
+        for (const at::Tensor &g : grads)
+            sums.push_back(g.sum(at::kDouble));
+        check = at::stack(sums).sum();
+        grads.push_back(check);
+    }
     Transfer host = lane.download(grads, job, Payload::Gradients);
     std::vector<std::pair<size_t, at::Tensor>> out;
     for (size_t i = 0; i < index.size(); ++i)
         out.emplace_back(index[i], host.tensors[i]);
-    ctx.gradients->add(std::move(out), std::move(host), lane);
+    at::Tensor host_check = check.defined() ? host.tensors.back() : at::Tensor();
+    ctx.gradients->add(std::move(out), std::move(host_check), std::move(host), lane);
 }
 
 // A host tensor (ready after `ready`) on the device, in the compute dtype, as a fresh leaf.

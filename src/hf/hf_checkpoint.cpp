@@ -1,9 +1,11 @@
 #include "hf/hf_checkpoint.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 
@@ -13,6 +15,7 @@
 
 #include "base/error.h"
 #include "base/log.h"
+#include "io/durable_file.h"
 
 namespace rp {
 namespace {
@@ -21,7 +24,13 @@ using json = nlohmann::json;
 
 const char *const kSingleFile = "model.safetensors";
 const char *const kIndexFile = "model.safetensors.index.json";
+const char *const kConfigFile = "config.json";
+// Written by versions before crash-safe sharded saves; removed by the next save.
 const char *const kPartial = ".rp-partial";
+// Shards of a sharded save are named "<stem>.rp-gen<N>.safetensors" when the layout's own names
+// are in use by the checkpoint being replaced (see save_hf_checkpoint).
+const char *const kGenerationTag = ".rp-gen";
+const char *const kSafetensorsExt = ".safetensors";
 
 std::string join(const std::string &dir, const std::string &name) {
     return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
@@ -40,6 +49,9 @@ std::string shape_str(at::IntArrayRef s) {
 }
 
 std::string read_text(const std::string &path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+        fail(ErrorKind::Io, path + ": is a directory, not a file");
     std::ifstream in(path, std::ios::binary);
     if (!in)
         fail(ErrorKind::Io, path + ": cannot open: " + std::strerror(errno));
@@ -56,7 +68,8 @@ HfLayout read_index(const std::string &dir) {
     json index;
     try {
         index = json::parse(read_text(path));
-    } catch (const json::parse_error &e) {
+    } catch (const json::exception &e) {
+        // Includes numbers out of range (1e400), which nlohmann reports as out_of_range.
         fail(ErrorKind::Io, path + ": not valid JSON: " + e.what());
     }
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
@@ -68,7 +81,8 @@ HfLayout read_index(const std::string &dir) {
             fail(ErrorKind::Io, path + ": tensor \"" + it.key() + "\" maps to " + it->dump() +
                                     ", not a file name");
         const std::string file = it->get<std::string>();
-        if (file.empty() || file.find('/') != std::string::npos || file[0] == '.')
+        if (file.empty() || file.find('/') != std::string::npos || file[0] == '.' ||
+            file == kIndexFile || file == kConfigFile)
             fail(ErrorKind::Io, path + ": tensor \"" + it.key() + "\" maps to \"" + file +
                                     "\", not a file in this directory");
         layout.file_of[it.key()] = file;
@@ -88,21 +102,70 @@ bool ignorable(const std::string &name, const std::vector<std::string> &ignored)
     return false;
 }
 
-void write_text_file(const std::string &path, const std::string &text) {
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    std::FILE *f = std::fopen(tmp.c_str(), "wb");
-    if (!f)
-        fail(ErrorKind::Io, path + ": cannot create temporary file: " + std::strerror(errno));
-    bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-    int saved = errno;
-    ok = (std::fclose(f) == 0) && ok;
-    if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-        if (ok)
-            saved = errno;
-        std::remove(tmp.c_str());
-        fail(ErrorKind::Io, path + ": write failed: " + std::strerror(saved));
+bool ends_with(const std::string &s, const std::string &tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// The generation N of "<stem>.rp-gen<N>.safetensors" (0 for a name without the tag); `plain`
+// receives "<stem>.safetensors", the layout's own name.
+uint64_t generation_of(const std::string &name, std::string *plain) {
+    *plain = name;
+    if (!ends_with(name, kSafetensorsExt))
+        return 0;
+    const std::string stem = name.substr(0, name.size() - std::strlen(kSafetensorsExt));
+    const size_t tag = stem.rfind(kGenerationTag);
+    if (tag == std::string::npos || tag == 0)
+        return 0;
+    const std::string digits = stem.substr(tag + std::strlen(kGenerationTag));
+    if (digits.empty() || digits.size() > 9 ||
+        digits.find_first_not_of("0123456789") != std::string::npos)
+        return 0;
+    *plain = stem.substr(0, tag) + kSafetensorsExt;
+    return std::stoull(digits);
+}
+
+std::string with_generation(const std::string &plain, uint64_t generation) {
+    if (generation == 0 || !ends_with(plain, kSafetensorsExt))
+        return plain;
+    return plain.substr(0, plain.size() - std::strlen(kSafetensorsExt)) + kGenerationTag +
+           std::to_string(generation) + kSafetensorsExt;
+}
+
+// Names a save may leave behind as "<name>.tmp.<pid>" when it is killed.
+bool is_checkpoint_file(const std::string &name) {
+    return name == kConfigFile || name == kIndexFile || ends_with(name, kSafetensorsExt) ||
+           ends_with(name, kPartial);
+}
+
+// The weight files a load of `dir` may read now: model.safetensors (which transformers
+// prefers) and the shards the index names (which RoundPipe prefers).
+struct LiveFiles {
+    bool single = false, index = false;
+    std::set<std::string> shards;
+    bool contains(const std::string &name) const {
+        return shards.count(name) || (single && name == kSingleFile);
     }
+};
+
+LiveFiles live_files(const std::string &dir) {
+    LiveFiles live;
+    live.single = exists(join(dir, kSingleFile));
+    live.index = exists(join(dir, kIndexFile));
+    if (live.index) {
+        try {
+            for (const auto &kv : read_index(dir).file_of)
+                live.shards.insert(kv.second);
+        } catch (const Error &e) {
+            // A broken index loads nothing; the save replaces it.
+            log(LogLevel::Warn, std::string("replacing an unreadable index: ") + e.what());
+        }
+    }
+    return live;
+}
+
+void remove_logged(const std::string &path, const char *why) {
+    if (std::remove(path.c_str()) != 0 && errno != ENOENT)
+        log(LogLevel::Warn, path + ": could not remove " + why + ": " + std::strerror(errno));
 }
 
 } // namespace
@@ -219,10 +282,22 @@ HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTens
 
 void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
                         const std::vector<NamedTensor> &tensors, const std::string &config_json) {
-    if (!exists(dir) && ::mkdir(dir.c_str(), 0777) != 0)
-        fail(ErrorKind::Io, dir + ": cannot create directory: " + std::strerror(errno));
+    if (!exists(dir)) {
+        if (::mkdir(dir.c_str(), 0777) != 0)
+            fail(ErrorKind::Io, dir + ": cannot create directory: " + std::strerror(errno));
+        const size_t end = dir.find_last_not_of('/');
+        sync_dir(parent_dir(end == std::string::npos ? dir : dir.substr(0, end + 1)));
+    }
 
-    // Group by file, in the layout's files; a tensor the layout does not place joins the first.
+    // What saves killed earlier left behind: temporaries, and older versions' partial files.
+    remove_stale_temporaries(dir, is_checkpoint_file);
+    for (const std::string &name : list_dir(dir))
+        if (ends_with(name, kPartial))
+            remove_logged(join(dir, name), "the partial file of an interrupted save");
+    const LiveFiles live = live_files(dir);
+
+    // Group by file, in the layout's files (by their own names, without a generation tag); a
+    // tensor the layout does not place joins the first.
     std::map<std::string, std::vector<NamedTensor>> groups;
     std::string first_file = kSingleFile;
     if (layout.sharded && !layout.file_of.empty()) {
@@ -238,47 +313,98 @@ void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
             if (it != layout.file_of.end())
                 file = it->second;
         }
-        groups[file].push_back(nt);
+        std::string plain;
+        generation_of(file, &plain);
+        groups[plain].push_back(nt);
     }
 
-    std::vector<std::string> finals; // final paths, in rename order: data, index, config
-    auto cleanup = [&] {
-        for (const std::string &f : finals)
-            std::remove((f + kPartial).c_str());
-    };
-    try {
-        json weight_map = json::object();
-        uint64_t total = 0;
-        for (const auto &g : groups) {
-            const std::string path = join(dir, g.first);
-            finals.push_back(path);
-            write_safetensors(path + kPartial, g.second, {{"format", "pt"}});
-            for (const NamedTensor &nt : g.second) {
-                weight_map[nt.name] = g.first;
-                total += static_cast<uint64_t>(nt.tensor.numel()) * nt.tensor.element_size();
+    // A sharded save writes its shards beside the live ones, under the layout's own names, or,
+    // where a load may be reading one of those, tagged one generation past the newest live tag.
+    // Nothing reads them until the index naming them replaces the old index in one rename.
+    uint64_t generation = 0;
+    if (layout.sharded) {
+        for (const auto &g : groups)
+            if (live.contains(g.first)) {
+                for (const std::string &f : live.shards) {
+                    std::string plain;
+                    generation = std::max(generation, generation_of(f, &plain));
+                }
+                ++generation;
+                break;
             }
-        }
+    }
+    std::set<std::string> written; // shard names of this generation
+    std::string config_tmp, index_tmp;
+    auto cleanup = [&] {
+        for (const std::string &f : written)
+            remove_logged(join(dir, f), "a shard of the failed save");
+        for (const std::string *tmp : {&config_tmp, &index_tmp})
+            if (!tmp->empty())
+                remove_logged(*tmp, "a temporary file of the failed save");
+    };
+    const std::string config_path = join(dir, kConfigFile), index_path = join(dir, kIndexFile);
+    ProgressReport progress("save " + dir, tensor_bytes(tensors));
+    try {
+        // config.json is rewritten only when it changes, so that a save of the same model
+        // replaces the weights alone.
+        if (!exists(config_path) || read_text(config_path) != config_json)
+            config_tmp = stage_text_file(config_path, config_json);
         if (layout.sharded) {
+            json weight_map = json::object();
+            uint64_t total = 0;
+            for (const auto &g : groups) {
+                const std::string name = with_generation(g.first, generation);
+                written.insert(name);
+                write_safetensors(join(dir, name), g.second, {{"format", "pt"}}, &progress);
+                for (const NamedTensor &nt : g.second) {
+                    weight_map[nt.name] = name;
+                    total += static_cast<uint64_t>(nt.tensor.numel()) * nt.tensor.element_size();
+                }
+            }
             json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-            finals.push_back(join(dir, kIndexFile));
-            write_text_file(finals.back() + kPartial, index.dump(2) + "\n");
+            index_tmp = stage_text_file(index_path, index.dump(2) + "\n");
+            sync_dir(dir); // the shards' names are durable before the index names them
+            rename_into_place(index_tmp, index_path); // the switch: all old to all new
+            index_tmp.clear();
+        } else {
+            // One file: its rename is the switch.
+            write_safetensors(join(dir, kSingleFile), groups[kSingleFile], {{"format", "pt"}},
+                              &progress);
         }
-        finals.push_back(join(dir, "config.json"));
-        write_text_file(finals.back() + kPartial, config_json);
+        written.clear();
+        if (!config_tmp.empty()) {
+            rename_into_place(config_tmp, config_path);
+            config_tmp.clear();
+        }
     } catch (...) {
         cleanup();
         throw;
     }
-    for (const std::string &f : finals)
-        if (std::rename((f + kPartial).c_str(), f.c_str()) != 0) {
-            int err = errno;
-            cleanup();
-            fail(ErrorKind::Io, f + ": rename failed: " + std::strerror(err));
-        }
-    const std::string stale = join(dir, layout.sharded ? kSingleFile : kIndexFile);
-    if (exists(stale) && std::remove(stale.c_str()) != 0)
-        log(LogLevel::Warn, stale + ": could not remove the file of the other layout; "
-                                    "transformers may load it instead of the saved weights");
+
+    // The previous generation goes, in the order that keeps every reader on all-old or all-new:
+    // model.safetensors (which transformers prefers) or the index (which RoundPipe prefers)
+    // first, then the shards, then shards of saves killed before their switch.
+    std::set<std::string> keep;
+    if (layout.sharded) {
+        for (const auto &g : groups)
+            keep.insert(with_generation(g.first, generation));
+        if (live.single && !keep.count(kSingleFile))
+            remove_logged(join(dir, kSingleFile), "the weights of the previous, single-file save");
+    } else {
+        keep.insert(kSingleFile);
+        if (live.index)
+            remove_logged(index_path, "the index of the previous, sharded save");
+    }
+    for (const std::string &f : live.shards)
+        if (!keep.count(f))
+            remove_logged(join(dir, f), "a shard of the previous save");
+    for (const std::string &name : list_dir(dir)) {
+        std::string plain;
+        if (generation_of(name, &plain) > 0 && !keep.count(name))
+            remove_logged(join(dir, name), "a shard of an interrupted save");
+    }
+    sync_dir(dir);
+    progress.finish();
 }
 
 } // namespace rp

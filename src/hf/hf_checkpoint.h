@@ -37,10 +37,13 @@ HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTens
                                 const std::vector<std::string> &ignored);
 
 // Writes `tensors` into `dir` (created if missing, one level) following `layout` (a tensor the
-// layout does not place goes to the first file), with `config_json` as config.json. Each file is
-// first written completely under a temporary name; only when all are written are they renamed
-// over the old ones, so a failure leaves the old checkpoint intact. A stale file of the other
-// layout (model.safetensors vs. the index) is removed, so transformers cannot pick it.
+// layout does not place goes to the first file), with `config_json` as config.json. Crash-safe
+// (docs/semantics.md, "Crash safety"): a single file is replaced by one rename; shards are
+// written beside the live ones (generation-tagged where the layout's names are live) and the
+// index, renamed last, switches to them; then the previous generation and the file of the other
+// layout are removed. Temporaries and unnamed shards of killed saves are removed; a failure
+// leaves the old checkpoint intact. The tensor bytes written are reported as the operation
+// "save <dir>".
 void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
                         const std::vector<NamedTensor> &tensors, const std::string &config_json);
 

@@ -125,7 +125,7 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
     json root;
     try {
         root = json::parse(json_text);
-    } catch (const json::parse_error &e) {
+    } catch (const json::exception &e) { // syntax, and numbers out of range (1e400)
         fail(parse_error, where + ": not valid JSON: " + e.what());
     }
     if (!root.is_object())

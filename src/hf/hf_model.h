@@ -24,13 +24,15 @@ struct HfModel {
 };
 
 // Builds the model `config` describes. With `dir`, its checkpoint is opened and every tensor
-// validated before the model (and its memory) exists, then installed; without, weights are
-// initialised from the seed as transformers does.
+// validated before the model (and its memory) exists, then installed, reported as the operation
+// "load <dir>" in checkpoint bytes; without, weights are initialised from the seed as
+// transformers does.
 HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options,
                         const std::string *dir);
 
 // Replaces every weight by the checkpoint in `dir` (all validated first: on error nothing
-// changes); accumulated gradients are dropped. Later saves use that checkpoint's layout.
+// changes); accumulated gradients are dropped. Later saves use that checkpoint's layout. Reported
+// as the operation "load <dir>".
 void load_hf_weights(Model &model, HfModelInfo &info, const std::string &dir);
 
 // Writes the latest weights (synchronizes first) and config.json into `dir`.

@@ -1,9 +1,12 @@
 #include "io/safetensors.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
+#include <memory>
 
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
@@ -12,11 +15,15 @@
 #include <unistd.h>
 
 #include "base/error.h"
+#include "io/durable_file.h"
 
 namespace rp {
 namespace {
 
 using json = nlohmann::json;
+
+// Reads and writes go in pieces of this size, so that progress moves inside large tensors.
+constexpr uint64_t kPieceBytes = uint64_t{64} << 20;
 
 [[noreturn]] void io_fail(const std::string &path, const std::string &what) {
     fail(ErrorKind::Io, path + ": " + what);
@@ -68,7 +75,8 @@ std::vector<Entry> parse_entries(const std::string &path, const std::string &hea
     json h;
     try {
         h = json::parse(header);
-    } catch (const json::parse_error &e) {
+    } catch (const json::exception &e) {
+        // Includes numbers out of range (1e400), which nlohmann reports as out_of_range.
         io_fail(path, std::string("corrupt header (not JSON): ") + e.what());
     }
     if (!h.is_object())
@@ -92,20 +100,28 @@ std::vector<Entry> parse_entries(const std::string &path, const std::string &hea
         Entry entry;
         entry.name = it.key();
         entry.type = info->type;
+        // Sizes come from the file: every product is checked, so that a shape whose element
+        // count wraps around cannot pass as a small tensor.
+        constexpr uint64_t kMaxSize = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
         uint64_t numel = 1;
+        bool overflow = false;
         for (const json &d : e["shape"]) {
-            if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40))
-                io_fail(path, where + "corrupt shape " + e["shape"].dump());
+            if (!d.is_number_unsigned() || d.get<uint64_t>() > kMaxSize)
+                io_fail(path, where + "corrupt shape " + e["shape"].dump() + ": dimension " +
+                                  d.dump() + " is not a size");
             entry.shape.push_back(d.get<int64_t>());
-            numel *= d.get<uint64_t>();
-            if (numel > (uint64_t{1} << 50))
-                io_fail(path, where + "corrupt shape " + e["shape"].dump());
+            overflow = overflow || __builtin_mul_overflow(numel, d.get<uint64_t>(), &numel);
         }
+        uint64_t nbytes = 0;
+        if (overflow || numel > kMaxSize ||
+            __builtin_mul_overflow(numel, c10::elementSize(info->type), &nbytes) ||
+            nbytes > kMaxSize)
+            io_fail(path,
+                    where + "corrupt shape " + e["shape"].dump() + ": its size overflows int64");
         const json &off = e["data_offsets"];
         if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned())
             io_fail(path, where + "corrupt data_offsets " + off.dump());
         uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-        uint64_t nbytes = numel * c10::elementSize(info->type);
         if (begin > end || end > data_size)
             io_fail(path, where + "data_offsets [" + std::to_string(begin) + ", " +
                               std::to_string(end) + "] lie outside the " +
@@ -120,6 +136,18 @@ std::vector<Entry> parse_entries(const std::string &path, const std::string &hea
     return out;
 }
 
+// A folder or a device opens (and a folder even reads as a few bytes on some file systems); only
+// a regular file has a size to check the header against.
+void require_regular_file(const std::string &path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0)
+        io_fail(path, std::string("cannot open: ") + std::strerror(errno));
+    if (S_ISDIR(st.st_mode))
+        io_fail(path, "is a directory, not a safetensors file");
+    if (!S_ISREG(st.st_mode))
+        io_fail(path, "is not a regular file, not a safetensors file");
+}
+
 // A read-only memory mapping, unmapped when the last tensor viewing it dies.
 struct Mapping {
     void *addr = nullptr;
@@ -132,34 +160,58 @@ struct Mapping {
 
 } // namespace
 
-std::vector<NamedTensor> read_safetensors(const std::string &path) {
+std::vector<NamedTensor> read_safetensors(const std::string &path, const TensorFilter &wanted) {
+    require_regular_file(path);
     std::ifstream in(path, std::ios::binary | std::ios::ate);
     if (!in)
         io_fail(path, std::string("cannot open: ") + std::strerror(errno));
-    const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+    const std::streamoff end = in.tellg();
+    if (end < 0)
+        io_fail(path, "cannot determine the file size");
+    const uint64_t file_size = static_cast<uint64_t>(end);
     in.seekg(0);
     if (file_size < 8)
         io_fail(path, "truncated: " + std::to_string(file_size) + " bytes, not a safetensors file");
     unsigned char len_bytes[8];
-    in.read(reinterpret_cast<char *>(len_bytes), 8);
+    if (!in.read(reinterpret_cast<char *>(len_bytes), 8))
+        io_fail(path, "read failed (header length)");
     const uint64_t header_len = header_length(path, len_bytes, file_size);
     std::string header(header_len, '\0');
-    in.read(header.data(), static_cast<std::streamsize>(header_len));
+    if (!in.read(header.data(), static_cast<std::streamsize>(header_len)))
+        io_fail(path, "read failed (header)");
     std::vector<Entry> entries = parse_entries(path, header, file_size - 8 - header_len);
+    // Tensors the caller does not want are never read nor allocated: a file may declare huge
+    // ones that the model does not use.
+    if (wanted)
+        entries.erase(
+            std::remove_if(entries.begin(), entries.end(),
+                           [&](const Entry &e) { return !wanted(e.name, e.type, e.shape); }),
+            entries.end());
 
+    uint64_t total = 0;
+    for (const Entry &e : entries)
+        total += e.nbytes;
+    ProgressReport progress("load " + path, static_cast<int64_t>(total));
     std::vector<NamedTensor> out;
     for (const Entry &e : entries) {
         at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
         in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
-        in.read(static_cast<char *>(t.data_ptr()), static_cast<std::streamsize>(e.nbytes));
-        if (!in)
-            io_fail(path, "tensor \"" + e.name + "\": read failed (truncated file?)");
+        char *data = static_cast<char *>(t.data_ptr());
+        for (uint64_t at = 0; at < e.nbytes; at += kPieceBytes) {
+            const uint64_t n = std::min(kPieceBytes, e.nbytes - at);
+            in.read(data + at, static_cast<std::streamsize>(n));
+            if (!in)
+                io_fail(path, "tensor \"" + e.name + "\": read failed (truncated file?)");
+            progress.advance(static_cast<int64_t>(n));
+        }
         out.push_back({e.name, t});
     }
+    progress.finish();
     return out;
 }
 
 std::vector<NamedTensor> map_safetensors(const std::string &path) {
+    require_regular_file(path);
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         io_fail(path, std::string("cannot open: ") + std::strerror(errno));
@@ -197,8 +249,21 @@ std::vector<NamedTensor> map_safetensors(const std::string &path) {
     return out;
 }
 
+int64_t tensor_bytes(const std::vector<NamedTensor> &tensors) {
+    int64_t total = 0;
+    for (const NamedTensor &nt : tensors)
+        total += nt.tensor.numel() * static_cast<int64_t>(nt.tensor.element_size());
+    return total;
+}
+
 void write_safetensors(const std::string &path, const std::vector<NamedTensor> &tensors,
-                       const std::map<std::string, std::string> &metadata) {
+                       const std::map<std::string, std::string> &metadata,
+                       ProgressReport *progress) {
+    std::unique_ptr<ProgressReport> own;
+    if (!progress) {
+        own = std::make_unique<ProgressReport>("save " + path, tensor_bytes(tensors));
+        progress = own.get();
+    }
     json h = json::object();
     if (!metadata.empty())
         h["__metadata__"] = metadata;
@@ -215,7 +280,10 @@ void write_safetensors(const std::string &path, const std::vector<NamedTensor> &
     }
     std::string header = h.dump();
     header.append((8 - header.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    // A save killed earlier left its temporary here; this save to the same path removes it.
+    const std::string dir = parent_dir(path), file = path.substr(path.find_last_of('/') + 1);
+    remove_stale_temporaries(dir, [&](const std::string &name) { return name == file; });
+    const std::string tmp = temporary_name(path);
     std::FILE *f = std::fopen(tmp.c_str(), "wb");
     if (!f)
         io_fail(path, std::string("cannot create temporary file: ") + std::strerror(errno));
@@ -227,8 +295,13 @@ void write_safetensors(const std::string &path, const std::vector<NamedTensor> &
     ok = ok && std::fwrite(len_bytes, 1, 8, f) == 8;
     ok = ok && std::fwrite(header.data(), 1, header.size(), f) == header.size();
     for (const at::Tensor &t : contiguous) {
-        size_t nbytes = t.numel() * t.element_size();
-        ok = ok && (nbytes == 0 || std::fwrite(t.data_ptr(), 1, nbytes, f) == nbytes);
+        const uint64_t nbytes = t.numel() * t.element_size();
+        const char *data = static_cast<const char *>(t.data_ptr());
+        for (uint64_t at = 0; ok && at < nbytes; at += kPieceBytes) {
+            const size_t n = static_cast<size_t>(std::min(kPieceBytes, nbytes - at));
+            ok = std::fwrite(data + at, 1, n, f) == n;
+            progress->advance(static_cast<int64_t>(n));
+        }
     }
     ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
     int saved_errno = errno;
@@ -239,6 +312,9 @@ void write_safetensors(const std::string &path, const std::vector<NamedTensor> &
         std::remove(tmp.c_str());
         io_fail(path, std::string("write failed: ") + std::strerror(saved_errno));
     }
+    sync_dir(dir); // the rename itself survives a power cut
+    if (own)
+        own->finish();
 }
 
 } // namespace rp

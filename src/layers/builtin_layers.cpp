@@ -24,7 +24,7 @@ ParamSpec linear_bias(const std::string &name, int64_t in, int64_t out) {
     return {name, {out}, InitKind::Uniform, 1.0 / std::sqrt(static_cast<double>(in))};
 }
 
-at::Tensor apply_activation(const std::string &kind, const at::Tensor &x) {
+at::Tensor apply_activation_flat(const std::string &kind, const at::Tensor &x) {
     if (kind == "relu")
         return at::relu(x);
     if (kind == "gelu")
@@ -34,6 +34,14 @@ at::Tensor apply_activation(const std::string &kind, const at::Tensor &x) {
     if (kind == "silu")
         return at::silu(x);
     return at::tanh(x);
+}
+
+// Elementwise, so computed on a flat view: oneDNN's CPU kernels refuse some high-rank shapes
+// (gelu at 16 dimensions) that the API accepts.
+at::Tensor apply_activation(const std::string &kind, const at::Tensor &x) {
+    if (x.dim() <= 4)
+        return apply_activation_flat(kind, x);
+    return apply_activation_flat(kind, x.reshape({-1})).view(x.sizes());
 }
 
 at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {

@@ -230,7 +230,7 @@ std::vector<std::unique_ptr<Layer>> parse_model_spec(const std::string &json_tex
     json root;
     try {
         root = json::parse(json_text);
-    } catch (const json::parse_error &e) {
+    } catch (const json::exception &e) { // syntax, and numbers out of range (1e400)
         fail(ErrorKind::InvalidArgument, std::string("model spec is not valid JSON: ") + e.what());
     }
     require(root.is_object() && root.contains("layers") && root["layers"].is_array(),

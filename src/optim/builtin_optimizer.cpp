@@ -30,55 +30,77 @@ GradSpan grad_span(const at::Tensor &g) {
 
 void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                            const ParamDone &done, const std::vector<at::Tensor> &lives) {
-    ++steps_;
-    auto finished = [&](size_t i, bool published) {
-        if (done)
-            done(i, published);
-    };
-    if (kind_ == OptimizerKind::AdamW) {
-        if (first_moment_.empty()) {
-            first_moment_ = zeros_like_all(params, bf16_state_);
-            second_moment_ = zeros_like_all(params, bf16_state_);
-            count_state();
-        }
-        const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
-        for (size_t i = 0; i < params.size(); ++i) {
-            const bool publish = bf16_state_ && !lives.empty() && lives[i].defined();
-            if (bf16_state_)
-                adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
-                                        bf16_bits(first_moment_[i]),
-                                        bf16_bits(second_moment_[i]), params[i].numel(), h,
-                                        steps_, i, publish ? bf16_bits(lives[i]) : nullptr,
-                                        publish);
-            else
-                adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
-                             first_moment_[i].data_ptr<float>(),
-                             second_moment_[i].data_ptr<float>(), params[i].numel(), h, steps_);
-            finished(i, publish);
-        }
-        return;
+                            const ParamDone &done, const std::vector<at::Tensor> &lives,
+                            const std::vector<uint8_t> &has_grad) {
+    if (steps_.empty())
+        steps_.assign(params.size(), 0);
+    std::vector<bool> update(params.size(), true);
+    for (size_t i = 0; i < has_grad.size() && i < params.size(); ++i)
+        update[i] = has_grad[i] != 0;
+    for (size_t i = 0; i < params.size(); ++i)
+        steps_[i] += update[i] ? 1 : 0;
+    if (kind_ == OptimizerKind::AdamW)
+        step_adamw(params, grads, s, lives, update, done);
+    else
+        step_sgd(params, grads, s, update, done);
+}
+
+void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
+                                  const std::vector<at::Tensor> &grads,
+                                  const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
+                                  const std::vector<bool> &update, const ParamDone &done) {
+    if (first_moment_.empty()) {
+        first_moment_ = zeros_like_all(params, bf16_state_);
+        second_moment_ = zeros_like_all(params, bf16_state_);
+        count_state();
     }
-    // SGD: like torch, the momentum buffer starts as the first gradient it sees, which may be
-    // after momentum was switched on between steps.
-    bool seed_buffer = false;
-    if (s.momentum != 0.0 && first_moment_.empty()) {
+    const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
+    for (size_t i = 0; i < params.size(); ++i) {
+        const bool publish = update[i] && bf16_state_ && !lives.empty() && lives[i].defined();
+        if (!update[i]) {
+        } else if (bf16_state_) {
+            adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
+                                    bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
+                                    params[i].numel(), h, steps_[i], i,
+                                    publish ? bf16_bits(lives[i]) : nullptr, publish);
+        } else {
+            adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
+                         first_moment_[i].data_ptr<float>(), second_moment_[i].data_ptr<float>(),
+                         params[i].numel(), h, steps_[i]);
+        }
+        if (done)
+            done(i, publish);
+    }
+}
+
+void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,
+                                const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
+                                const std::vector<bool> &update, const ParamDone &done) {
+    // Like torch, a momentum buffer starts as the first gradient it sees, which may be after
+    // momentum was switched on between steps, or at a parameter's first gradient.
+    const bool momentum = s.momentum != 0.0;
+    if (momentum && first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
         count_state();
-        seed_buffer = true;
+        seeded_.assign(params.size(), 0);
     }
     const SgdHyper h{s.lr, s.momentum, s.weight_decay};
     for (size_t i = 0; i < params.size(); ++i) {
-        const bool momentum = s.momentum != 0.0;
-        if (bf16_state_)
-            sgd_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
-                                  momentum ? bf16_bits(first_moment_[i]) : nullptr,
-                                  params[i].numel(), h, seed_buffer, steps_, i);
-        else
-            sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
-                       momentum ? first_moment_[i].data_ptr<float>() : nullptr,
-                       params[i].numel(), h, seed_buffer);
-        finished(i, false);
+        if (update[i]) {
+            const bool seed = momentum && !seeded_[i];
+            if (bf16_state_)
+                sgd_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
+                                      momentum ? bf16_bits(first_moment_[i]) : nullptr,
+                                      params[i].numel(), h, seed, steps_[i], i);
+            else
+                sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
+                           momentum ? first_moment_[i].data_ptr<float>() : nullptr,
+                           params[i].numel(), h, seed);
+            if (momentum)
+                seeded_[i] = 1;
+        }
+        if (done)
+            done(i, false);
     }
 }
 

@@ -1,6 +1,7 @@
 // State and update rule of a built-in optimizer (AdamW or SGD) over fp32 master weights.
 #pragma once
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -32,11 +33,15 @@ class BuiltinOptimizer {
     // Updates `params` (fp32, contiguous, CPU) in place from `grads` (fp32, or bf16 with
     // bf16 state), in order, calling `done` (if set) after each. With bf16 state, `lives` (empty,
     // or one per parameter) names bf16 weight copies to refresh from the update while its data
-    // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped). Runs on
-    // the optimizer thread; state is allocated at the first step.
+    // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped).
+    // `has_grad` (empty: all) says which parameters received a gradient since the last step;
+    // the others are left alone, their state and step count included (torch.optim skips a
+    // parameter whose .grad is None), and reported done unpublished. Runs on the optimizer
+    // thread; state is allocated at the first step.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
               const OptimizerSettings &settings, const ParamDone &done = {},
-              const std::vector<at::Tensor> &lives = {});
+              const std::vector<at::Tensor> &lives = {},
+              const std::vector<uint8_t> &has_grad = {});
     // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
     // allocated on the optimizer thread while the caller may ask.
     int64_t state_bytes() const { return state_bytes_; }
@@ -44,12 +49,19 @@ class BuiltinOptimizer {
   private:
     OptimizerKind kind_;
     bool bf16_state_;
-    int64_t steps_ = 0;
+    std::vector<int64_t> steps_;  // per parameter: the steps that updated it (bias correction)
     std::vector<at::Tensor> first_moment_;  // AdamW exp_avg, SGD momentum buffer
     std::vector<at::Tensor> second_moment_; // AdamW exp_avg_sq
+    std::vector<uint8_t> seeded_;           // SGD: the momentum buffer holds a gradient
     std::atomic<int64_t> state_bytes_{0};
 
     void count_state(); // after allocating state
+    void step_adamw(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
+                    const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
+                    const std::vector<bool> &update, const ParamDone &done);
+    void step_sgd(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
+                  const OptimizerSettings &s, const std::vector<bool> &update,
+                  const ParamDone &done);
 };
 
 } // namespace rp

@@ -277,3 +277,20 @@ def test_every_owner_closes_once_and_refuses_use_afterwards():
         assert owner.closed
         with pytest.raises((RoundPipeError, ValueError)):
             owner.handle
+
+
+def test_nan_inputs_are_counted_and_their_step_skipped():
+    """A nan in the inputs gives a nan loss, counted; the step it feeds is skipped, so the
+    weights stay bitwise those before it (torch.optim would write nan into every weight)."""
+    model = roundpipe.RoundPipe(torch.nn.Sequential(torch.nn.Linear(4, 3)), devices="cpu")
+    before = {n: p.detach().clone() for n, p in model.optim_named_parameters()}
+    x = torch.randn(6, 4)
+    x[0, 0] = float("nan")
+    loss = model.forward_backward(x, label=torch.randn(6, 3), loss_fn="mse")
+    assert torch.isnan(loss)
+    model.step(roundpipe.optim.AdamW(lr=0.1))
+    model.synchronize()
+    assert model.nonfinite_counts() == (1, 1)
+    for n, p in model.optim_named_parameters():
+        assert torch.equal(p.detach(), before[n])
+    model.close()

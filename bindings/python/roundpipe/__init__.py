@@ -24,10 +24,14 @@ with save_pretrained(dir) (see the README).
 
 The library is found through ROUNDPIPE_LIBRARY, next to the package, then the build tree of
 a source checkout (see roundpipe._capi).
+
+The library's log messages go to the logger ``logging.getLogger("roundpipe")`` (RP_LOG_LEVEL=
+debug|info|warn|error sets its level and the library's); loading and saving weights draw tqdm
+progress bars when tqdm is installed (set_progress_callback replaces them).
 """
 
 from . import optim
-from ._callbacks import set_log_callback
+from ._callbacks import set_log_callback, set_progress_callback
 from ._capi import ABI_VERSION, candidate_paths, library_path, load_library
 from .config import REPLICATE, RoundPipeRunConfig
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
@@ -58,7 +62,8 @@ def cuda_device_count():
 __all__ = [
     "RoundPipe", "RoundPipeRunConfig", "RoundPipeError", "RoundPipeUnsupportedError",
     "LibraryNotFoundError", "Status", "BuiltinLoss", "RoundPipePackedData", "REPLICATE",
-    "wrap_model_to_roundpipe", "optim", "set_log_callback", "load_library", "library_path",
+    "wrap_model_to_roundpipe", "optim", "set_log_callback", "set_progress_callback",
+    "load_library", "library_path",
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
     "HostStateBytes",
 ]

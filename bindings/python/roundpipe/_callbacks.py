@@ -1,5 +1,6 @@
-"""Python callables that the library's threads call back: loss functions, step functions and
-custom split functions.
+"""Python callables that the library's threads call back: loss functions, step functions,
+custom split functions, and the log and progress sinks (the logger "roundpipe" and tqdm bars by
+default, installed when the library loads).
 
 One CFUNCTYPE trampoline per kind lives for the whole process, so no callback object can be
 collected while C may still call it. The C ``user_data`` is a key into a registry of the calls
@@ -10,7 +11,10 @@ re-raises it once the call has returned.
 """
 
 import atexit
+import contextlib
 import itertools
+import logging
+import os
 import threading
 
 import torch
@@ -270,10 +274,26 @@ SPLIT_TRAMPOLINE = _capi.rp_split_fn(_split_entry)
 
 
 # ------------------------------------------------------------------------------------------------
-# Log
+# Log: the library's messages go to the logger "roundpipe" unless set_log_callback says otherwise
 # ------------------------------------------------------------------------------------------------
 
-_log_state = {"fn": None, "trampoline": None}
+#: The logger the library's messages go to by default.
+LOGGER = logging.getLogger("roundpipe")
+
+_PY_LEVELS = {_capi.RP_LOG_DEBUG: logging.DEBUG, _capi.RP_LOG_INFO: logging.INFO,
+              _capi.RP_LOG_WARN: logging.WARNING, _capi.RP_LOG_ERROR: logging.ERROR}
+# RP_LOG_LEVEL's values (the header's list of environment variables); the library reads it too.
+_ENV_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
+               "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def _to_logging(level, message):
+    py_level = _PY_LEVELS.get(level, logging.ERROR)
+    if LOGGER.isEnabledFor(py_level):
+        LOGGER.log(py_level, message)
+
+
+_log_state = {"fn": None}
 
 
 def _log_entry(level, message, user_data):
@@ -286,36 +306,127 @@ def _log_entry(level, message, user_data):
         pass
 
 
+# One trampoline for the whole process: the library may call it from any of its threads.
+LOG_TRAMPOLINE = _capi.rp_log_fn(_log_entry)
+
+
 def set_log_callback(fn, min_level=_capi.RP_LOG_WARN):
     """Route the library's log messages at or above `min_level` (0 debug, 1 info, 2 warn,
-    3 error) to ``fn(level, message)``; None restores the default (warnings to stderr).
+    3 error) to ``fn(level, message)``; None restores the default: every message to the logger
+    ``logging.getLogger("roundpipe")`` at the matching level (DEBUG, INFO, WARNING, ERROR),
+    which filters them by its own level. The environment variable RP_LOG_LEVEL (debug, info,
+    warn, error), when set, overrides `min_level` and is also the level of that logger.
 
     `fn` runs on whichever RoundPipe thread logs, one call at a time; it must not call back
     into RoundPipe. Exceptions it raises are ignored.
     """
     L = _capi.lib()
     if fn is None:
-        L.rp_set_log_callback(_capi.rp_log_fn(), int(min_level), None)  # NULL: default sink
-        _log_state["fn"] = None
-        return
-    if not callable(fn):
+        fn, min_level = _to_logging, _capi.RP_LOG_DEBUG
+    elif not callable(fn):
         raise TypeError("fn must be callable or None")
-    if _log_state["trampoline"] is None:
-        _log_state["trampoline"] = _capi.rp_log_fn(_log_entry)
     previous, _log_state["fn"] = _log_state["fn"], fn
     try:
-        L.rp_set_log_callback(_log_state["trampoline"], int(min_level), None)
+        L.rp_set_log_callback(LOG_TRAMPOLINE, int(min_level), None)
     except BaseException:
         _log_state["fn"] = previous
         raise
 
 
+# ------------------------------------------------------------------------------------------------
+# Progress: loading and saving weights draw tqdm bars unless set_progress_callback says otherwise
+# ------------------------------------------------------------------------------------------------
+
+_progress_state = {"fn": None}  # the user's callable; None: tqdm bars
+_progress_local = threading.local()  # .bars: what -> open tqdm bar, of this thread's calls
+_VERBS = {"load": "Loading", "save": "Saving"}
+
+
+def _new_bar(what, total):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: no bars without it
+        return None
+    verb, _, path = what.partition(" ")
+    name = os.path.basename(path.rstrip("/")) or path
+    return tqdm(total=total, desc="%s %s" % (_VERBS.get(verb, verb), name), unit="B",
+                unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
+
+
+def _draw_bar(what, done, total):
+    bars = getattr(_progress_local, "bars", None)
+    if bars is None:
+        bars = _progress_local.bars = {}
+    bar = bars.get(what)
+    if bar is None:
+        bar = _new_bar(what, total)
+        if bar is None:
+            return
+        bars[what] = bar
+    bar.update(done - bar.n)
+    if done >= total:
+        bars.pop(what).close()
+
+
+def _progress_entry(what, done, total, user_data):
+    # The library calls this on the thread that made the call being reported.
+    try:
+        text = what.decode("utf-8", "replace") if what else ""
+        fn = _progress_state["fn"]
+        (fn or _draw_bar)(text, int(done), int(total))
+    except BaseException:  # noqa: B902 - a progress display must not break a load or save
+        pass
+
+
+PROGRESS_TRAMPOLINE = _capi.rp_progress_fn(_progress_entry)
+
+
+@contextlib.contextmanager
+def progress_scope():
+    """Around a call that may report progress: closes the bars a failed operation left open."""
+    try:
+        yield
+    finally:
+        bars = getattr(_progress_local, "bars", None)
+        while bars:
+            bars.popitem()[1].close()
+
+
+def set_progress_callback(fn):
+    """Report the progress of loading and saving weights (building a model from a Hugging Face
+    directory, load, save, load_pretrained, save_pretrained) to ``fn(what, done, total)``
+    instead of the default tqdm progress bars (drawn when tqdm is installed; TQDM_DISABLE=1
+    hides them). `what` is "load <path>" or "save <path>", `done` and `total` count bytes, and
+    an operation that succeeds ends with one call where done == total. `fn` runs on the thread
+    that made the call; exceptions it raises are ignored. None restores the bars."""
+    if fn is not None and not callable(fn):
+        raise TypeError("fn must be callable or None")
+    _progress_state["fn"] = fn
+
+
+# ------------------------------------------------------------------------------------------------
+# Installed when the library loads, removed when the interpreter exits
+# ------------------------------------------------------------------------------------------------
+
+
+def _install_sinks():
+    env_level = _ENV_LEVELS.get(os.environ.get("RP_LOG_LEVEL", "").strip().lower())
+    if env_level is not None:
+        LOGGER.setLevel(env_level)
+    set_log_callback(None)
+    _capi.lib().rp_set_progress_callback(PROGRESS_TRAMPOLINE, None)
+
+
+_capi.on_load(_install_sinks)
+
+
 @atexit.register
-def _restore_default_log_sink():
+def _restore_default_sinks():
     # No library thread may call into an interpreter that is shutting down.
-    if _log_state["fn"] is not None and _capi._LIB is not None:
+    if _capi._LIB is not None:
         try:
             _capi._LIB.rp_set_log_callback(_capi.rp_log_fn(), _capi.RP_LOG_WARN, None)
+            _capi._LIB.rp_set_progress_callback(_capi.rp_progress_fn(), None)
         except Exception:
             pass
         _log_state["fn"] = None

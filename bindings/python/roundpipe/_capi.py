@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import re
 import threading
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_int, c_int32,
                     c_int64, c_size_t, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p)
@@ -129,6 +130,9 @@ RP_OPTIMIZER_ADAMW, RP_OPTIMIZER_SGD = 0, 1
 # typedef void (*rp_log_fn)(int32_t level, const char *message, void *user_data);
 rp_log_fn = CFUNCTYPE(None, c_int32, c_char_p, c_void_p)
 
+# typedef void (*rp_progress_fn)(const char *what, int64_t done, int64_t total, void *user_data);
+rp_progress_fn = CFUNCTYPE(None, c_char_p, c_int64, c_int64, c_void_p)
+
 # typedef int32_t (*rp_split_fn)(DLManagedTensor **out_pieces,
 #     const DLManagedTensor *const *inputs, size_t n_inputs, int32_t num_microbatch,
 #     void *user_data);
@@ -210,9 +214,11 @@ def _declare_base(fn):
     # -- status, errors, versions, logging ---------------------------------------------------
     fn("rp_version", c_char_p, [])                                   # const char *rp_version(void);
     fn("rp_abi_version", c_int32, [])                                # int32_t rp_abi_version(void);
+    fn("rp_torch_version", c_char_p, [])                             # const char *rp_torch_version(void);
     fn("rp_status_string", c_char_p, [c_int])                        # const char *rp_status_string(rp_status status);
     fn("rp_last_error_message", c_char_p, [])                        # const char *rp_last_error_message(void);
     fn("rp_set_log_callback", st, [rp_log_fn, c_int32, c_void_p])    # rp_status rp_set_log_callback(rp_log_fn fn, int32_t min_level, void *user_data);
+    fn("rp_set_progress_callback", st, [rp_progress_fn, c_void_p])   # rp_status rp_set_progress_callback(rp_progress_fn fn, void *user_data);
     fn("rp_cuda_device_count", st, [P(c_int32)])                     # rp_status rp_cuda_device_count(int32_t *out_count);
 
     # -- run configuration ---------------------------------------------------------------------
@@ -266,6 +272,8 @@ def _declare_model(fn):
        [rp_model_options_p, c_int64])                                # rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
     fn("rp_model_options_set_seed", st,
        [rp_model_options_p, c_uint64])                               # rp_status rp_model_options_set_seed(rp_model_options *options, uint64_t seed);
+    fn("rp_model_options_set_skip_nonfinite_steps", st,
+       [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_skip_nonfinite_steps(rp_model_options *options, int32_t skip);
     fn("rp_model_options_set_name", st,
        [rp_model_options_p, c_char_p])                               # rp_status rp_model_options_set_name(rp_model_options *options, const char *name);
     fn("rp_model_options_set_devices", st,
@@ -284,6 +292,8 @@ def _declare_model(fn):
        [P(rp_run_config_p), rp_model_p, rp_run_config_p])            # rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
     fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
     fn("rp_model_grad_scale", st, [P(c_double), P(c_int64), rp_model_p])  # rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
+    fn("rp_model_nonfinite_counts", st,
+       [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_skipped_steps, const rp_model *model);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
     fn("rp_model_host_state_bytes", st,
        [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);
@@ -375,6 +385,41 @@ _STATUS = object()
 _LIB = None
 _LIB_PATH = None
 _LOCK = threading.Lock()
+_ON_LOAD = []
+
+
+def on_load(hook):
+    """Call ``hook()`` once the library is loaded and declared (now, if it already is): how the
+    package installs its log and progress sinks before any call can report."""
+    _ON_LOAD.append(hook)
+    if _LIB is not None:
+        hook()
+
+
+def _torch_release(version):
+    """"2.11.0" from "2.11.0+cu130" or "2.11.0a0+git1234": the release part of a version."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return match.group(0) if match else version
+
+
+def _check_torch_version(cdll, candidate):
+    """Refuse a library built against another torch than the one imported: libtorch's C++ ABI
+    changes between releases, so such a library crashes or misbehaves instead of failing."""
+    built = cdll.rp_torch_version().decode()
+    if _torch_release(built) != _torch_release(torch.__version__):
+        raise LibraryNotFoundError(
+            "%s was built against torch %s, but this Python has torch %s (%s); install "
+            "torch==%s, or rebuild RoundPipe against this torch (pip install ./bindings/python "
+            "from the RoundPipe sources)"
+            % (candidate, built, torch.__version__, os.path.dirname(torch.__file__), built))
+
+
+def _torch_hint(exc):
+    """A hint for a load failure that a library built against another torch causes."""
+    if "undefined symbol" not in str(exc):
+        return ""
+    return ("  (a library built against another torch fails this way; this Python has torch %s "
+            "at %s)" % (torch.__version__, os.path.dirname(torch.__file__)))
 
 
 def lib():
@@ -402,7 +447,7 @@ def load_library(path=None):
             try:
                 cdll = ctypes.CDLL(candidate)
             except OSError as exc:
-                tried.append("  %s (%s): %s" % (candidate, origin, exc))
+                tried.append("  %s (%s): %s%s" % (candidate, origin, exc, _torch_hint(exc)))
                 continue
             missing = [n for n in ("rp_abi_version", "rp_model_create") if not hasattr(cdll, n)]
             if missing:
@@ -421,8 +466,11 @@ def load_library(path=None):
             except AttributeError as exc:
                 raise LibraryNotFoundError("%s lacks a function of roundpipe.h: %s"
                                            % (candidate, exc)) from None
+            _check_torch_version(cdll, candidate)
             _LIB = cdll
             _LIB_PATH = candidate
+            for hook in _ON_LOAD:
+                hook()
             return candidate
         raise LibraryNotFoundError(
             "cannot load libroundpipe.so; set ROUNDPIPE_LIBRARY to its path. Tried:\n"

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import _capi
 from ._callbacks import (LOSS_TRAMPOLINE, SPLIT_TRAMPOLINE, STEP_TRAMPOLINE, in_library_thread,
-                         park_handle, registry, release_parked)
+                         park_handle, progress_scope, registry, release_parked)
 from ._capi import DLManagedTensor, lib
 from ._dlpack import BorrowedInputs, delete_owned, from_owned
 from .errors import RoundPipeError, Status
@@ -178,7 +178,7 @@ class ModelOptions(Owned):
 
     def __init__(self, model_dtype=None, optim_dtype=None, pin_mode=None, host_memory_mode=None,
                  seed=None, name=None, devices=None, gpu_memory_cap=None, grad_scaler=None,
-                 stage_plan=None, run_config=None):
+                 stage_plan=None, run_config=None, skip_nonfinite_steps=None):
         L = lib()
         super().__init__(L.rp_model_options_create)
         h = self.handle
@@ -188,6 +188,8 @@ class ModelOptions(Owned):
                                   (L.rp_model_options_set_pin_mode, pin_mode),
                                   (L.rp_model_options_set_host_memory_mode, host_memory_mode),
                                   (L.rp_model_options_set_seed, seed),
+                                  (L.rp_model_options_set_skip_nonfinite_steps,
+                                   skip_nonfinite_steps),
                                   (L.rp_model_options_set_gpu_memory_cap, gpu_memory_cap)):
                 if value is not None:
                     setter(h, int(value))
@@ -448,7 +450,9 @@ class Model(Owned):
     def __init__(self, source, options):
         L = lib()
         if source.kind == "hf_dir":
-            super().__init__(L.rp_model_create_from_hf, os.fsencode(source.path), options.handle)
+            with progress_scope():
+                super().__init__(L.rp_model_create_from_hf, os.fsencode(source.path),
+                                 options.handle)
         elif source.kind == "hf_config":
             super().__init__(L.rp_model_create_from_hf_config, source.text.encode(),
                              options.handle)
@@ -485,6 +489,11 @@ class Model(Owned):
         scale, skipped = c_double(), c_int64()
         lib().rp_model_grad_scale(byref(scale), byref(skipped), self.handle)
         return scale.value, skipped.value
+
+    def nonfinite_counts(self):
+        losses, skipped = c_int64(), c_int64()
+        lib().rp_model_nonfinite_counts(byref(losses), byref(skipped), self.handle)
+        return losses.value, skipped.value
 
     def host_state_bytes(self):
         n_bytes, n_elements = c_int64(), c_int64()
@@ -541,5 +550,7 @@ class Model(Owned):
 
     def call(self, name, *args):
         """``rp_<name>(model, *args)`` for the calls that take only the model and plain values:
-        synchronize, zero_grad, model_save, model_load, model_save_hf, model_load_hf."""
-        getattr(lib(), "rp_" + name)(self.handle, *args)
+        synchronize, zero_grad, model_save, model_load, model_save_hf, model_load_hf (these
+        four report progress: tqdm bars by default)."""
+        with progress_scope():
+            getattr(lib(), "rp_" + name)(self.handle, *args)

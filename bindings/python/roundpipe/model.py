@@ -78,12 +78,15 @@ class RoundPipe:
             parameters' dtype), made for the step, and keeps its own fp32 state.
             :meth:`host_state_bytes` reports what the model holds. Any other value raises
             ValueError before anything is built.
+        skip_nonfinite_steps: skip a step whose gradients hold inf or nan (default True; the
+            weights and optimizer state stay, a warning is logged, :meth:`nonfinite_counts`
+            counts it); with a grad scaler on, the scaler's rule decides.
     """
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None,
                  pin_model="alloc", *, model_dtype=None, devices=None, seed=None,
                  stage_plan=None, gpu_memory_cap=None, grad_scaler=None,
-                 host_memory="standard"):
+                 host_memory="standard", skip_nonfinite_steps=True):
         self._model = None  # first: close() must work if __init__ fails
         if name is None:
             name = call_site_name()
@@ -100,7 +103,8 @@ class RoundPipe:
             optim_dtype=parse_dtype(optim_dtype, "optim_dtype"), pin_mode=pin_mode,
             host_memory_mode=host_memory_mode, seed=seed, name=str(name),
             devices=parse_devices(devices), gpu_memory_cap=gpu_memory_cap,
-            grad_scaler=parse_grad_scaler(grad_scaler), stage_plan=stage_plan)
+            grad_scaler=parse_grad_scaler(grad_scaler), stage_plan=stage_plan,
+            skip_nonfinite_steps=bool(skip_nonfinite_steps))
         # The engine gets the model-level fields it holds and overlays each call's on them; the
         # Python-only ones (split specs, custom merges) are overlaid by call_fields() per call.
         with RunConfig.build(**model_run_config.engine_fields()) as run_config, \
@@ -227,6 +231,12 @@ class RoundPipe:
     def grad_scale(self):
         """``(scale, skipped_steps)`` of dynamic loss scaling (scale 0: off)."""
         return self._model.grad_scale()
+
+    def nonfinite_counts(self):
+        """``(nonfinite_losses, skipped_steps)``: training calls whose loss was inf or nan,
+        and steps skipped because their gradients held inf or nan (``skip_nonfinite_steps``,
+        on by default, or the loss scaler)."""
+        return self._model.nonfinite_counts()
 
     @property
     def gpu_memory_cap(self):

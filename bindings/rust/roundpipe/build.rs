@@ -1,7 +1,9 @@
 //! Put the folder of libroundpipe.so (found by roundpipe-sys's build script and passed on as
-//! `DEP_ROUNDPIPE_LIB_DIR`) in the rpath of this crate's tests and examples, so that they run
-//! without LD_LIBRARY_PATH. Programs of your own that depend on `roundpipe` need the same line
-//! in their build script, or the library on the loader's path.
+//! `DEP_ROUNDPIPE_LIB_DIR`) in the rpath of this crate's tests and examples. Needed only when
+//! roundpipe-sys could not build its link stub (no C compiler; see roundpipe-sys/build.rs), which
+//! otherwise makes every binary, this crate's and its dependents', name the library by its
+//! absolute path. An rpath emitted here reaches this package's own targets only, never the
+//! binaries of a crate that depends on `roundpipe`.
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_ROUNDPIPE_LIB_DIR");

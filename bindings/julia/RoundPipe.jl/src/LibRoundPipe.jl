@@ -200,6 +200,7 @@ mutable struct rp_optimizer end
 # -------------------------------------------------------------------------------------------
 # Callback types: C function pointers, made with @cfunction. Signatures:
 #   rp_log_fn:   void    (int32_t level, const char *message, void *user_data)
+#   rp_progress_fn: void (const char *what, int64_t done, int64_t total, void *user_data)
 #   rp_split_fn: int32_t (DLManagedTensor **out_pieces, const DLManagedTensor *const *inputs,
 #                         size_t n_inputs, int32_t num_microbatch, void *user_data)
 #   rp_loss_fn:  int32_t (double *out_loss, DLManagedTensor **out_grad,
@@ -209,6 +210,7 @@ mutable struct rp_optimizer end
 # -------------------------------------------------------------------------------------------
 
 const rp_log_fn = Ptr{Cvoid}
+const rp_progress_fn = Ptr{Cvoid}
 const rp_split_fn = Ptr{Cvoid}
 const rp_loss_fn = Ptr{Cvoid}
 const rp_step_fn = Ptr{Cvoid}
@@ -223,6 +225,9 @@ rp_version() = ccall((:rp_version, libroundpipe()), Cstring, ())
 # int32_t rp_abi_version(void);
 rp_abi_version() = ccall((:rp_abi_version, libroundpipe()), Int32, ())
 
+# const char *rp_torch_version(void);
+rp_torch_version() = ccall((:rp_torch_version, libroundpipe()), Cstring, ())
+
 # const char *rp_status_string(rp_status status);
 rp_status_string(status) = ccall((:rp_status_string, libroundpipe()), Cstring, (rp_status,), status)
 
@@ -234,6 +239,12 @@ rp_set_log_callback(fn, min_level, user_data) =
     ccall((:rp_set_log_callback, libroundpipe()), rp_status,
           (rp_log_fn, Int32, Ptr{Cvoid}),
           fn, min_level, user_data)
+
+# rp_status rp_set_progress_callback(rp_progress_fn fn, void *user_data);
+rp_set_progress_callback(fn, user_data) =
+    ccall((:rp_set_progress_callback, libroundpipe()), rp_status,
+          (rp_progress_fn, Ptr{Cvoid}),
+          fn, user_data)
 
 # rp_status rp_cuda_device_count(int32_t *out_count);
 rp_cuda_device_count(out_count) =
@@ -379,6 +390,12 @@ rp_model_options_set_seed(options, seed) =
           (Ptr{rp_model_options}, UInt64),
           options, seed)
 
+# rp_status rp_model_options_set_skip_nonfinite_steps(rp_model_options *options, int32_t skip);
+rp_model_options_set_skip_nonfinite_steps(options, skip) =
+    ccall((:rp_model_options_set_skip_nonfinite_steps, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Int32),
+          options, skip)
+
 # rp_status rp_model_options_set_name(rp_model_options *options, const char *name);
 rp_model_options_set_name(options, name) =
     ccall((:rp_model_options_set_name, libroundpipe()), rp_status,
@@ -447,6 +464,12 @@ rp_model_grad_scale(out_scale, out_skipped_steps, model) =
     ccall((:rp_model_grad_scale, libroundpipe()), rp_status,
           (Ptr{Cdouble}, Ptr{Int64}, Ptr{rp_model}),
           out_scale, out_skipped_steps, model)
+
+# rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_skipped_steps, const rp_model *model);
+rp_model_nonfinite_counts(out_nonfinite_losses, out_skipped_steps, model) =
+    ccall((:rp_model_nonfinite_counts, libroundpipe()), rp_status,
+          (Ptr{Int64}, Ptr{Int64}, Ptr{rp_model}),
+          out_nonfinite_losses, out_skipped_steps, model)
 
 # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
 rp_model_gpu_memory_cap(out_bytes, model) =

@@ -123,6 +123,10 @@ pub const RP_LOG_ERROR: rp_log_level = 3;
 pub type rp_log_fn =
     Option<unsafe extern "C" fn(level: i32, message: *const c_char, user_data: *mut c_void)>;
 
+pub type rp_progress_fn = Option<
+    unsafe extern "C" fn(what: *const c_char, done: i64, total: i64, user_data: *mut c_void),
+>;
+
 // -------------------------------------------------------------------------------------------
 // Enumerations used by options
 // -------------------------------------------------------------------------------------------
@@ -233,10 +237,12 @@ extern "C" {
     // Status, errors, versions, logging
     pub fn rp_version() -> *const c_char;
     pub fn rp_abi_version() -> i32;
+    pub fn rp_torch_version() -> *const c_char;
     pub fn rp_status_string(status: rp_status) -> *const c_char;
     pub fn rp_last_error_message() -> *const c_char;
     pub fn rp_set_log_callback(fn_: rp_log_fn, min_level: i32, user_data: *mut c_void)
         -> rp_status;
+    pub fn rp_set_progress_callback(fn_: rp_progress_fn, user_data: *mut c_void) -> rp_status;
     pub fn rp_cuda_device_count(out_count: *mut i32) -> rp_status;
 
     // Run configuration
@@ -315,6 +321,10 @@ extern "C" {
         bytes: i64,
     ) -> rp_status;
     pub fn rp_model_options_set_seed(options: *mut rp_model_options, seed: u64) -> rp_status;
+    pub fn rp_model_options_set_skip_nonfinite_steps(
+        options: *mut rp_model_options,
+        skip: i32,
+    ) -> rp_status;
     pub fn rp_model_options_set_name(
         options: *mut rp_model_options,
         name: *const c_char,
@@ -352,6 +362,11 @@ extern "C" {
     pub fn rp_model_step_count(out_count: *mut i64, model: *const rp_model) -> rp_status;
     pub fn rp_model_grad_scale(
         out_scale: *mut c_double,
+        out_skipped_steps: *mut i64,
+        model: *const rp_model,
+    ) -> rp_status;
+    pub fn rp_model_nonfinite_counts(
+        out_nonfinite_losses: *mut i64,
         out_skipped_steps: *mut i64,
         model: *const rp_model,
     ) -> rp_status;

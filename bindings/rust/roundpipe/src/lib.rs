@@ -45,6 +45,7 @@ mod log;
 mod loss;
 mod model;
 mod optim;
+mod progress;
 mod tensor;
 mod tensor_list;
 
@@ -60,6 +61,7 @@ pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use loss::{Loss, LossFn, LossInput, LossKind};
 pub use model::{HostStateBytes, Model, StepContext};
 pub use optim::{Optimizer, OptimizerKind};
+pub use progress::{reset_progress_callback, set_progress_callback};
 pub use tensor::{AsDlpack, DType, Device, DlTensor, Element, Tensor, TensorView};
 pub use tensor_list::split_microbatches;
 
@@ -73,6 +75,13 @@ pub fn version() -> String {
 pub fn abi_version() -> i32 {
     // SAFETY: no arguments, cannot fail.
     unsafe { sys::rp_abi_version() }
+}
+
+/// Version of the libtorch the loaded library was built against, "MAJOR.MINOR.PATCH"; the
+/// library's run path finds that torch.
+pub fn torch_version() -> String {
+    // SAFETY: static storage.
+    unsafe { error::c_string(sys::rp_torch_version()) }
 }
 
 /// The ABI version this crate was written for.

@@ -294,6 +294,18 @@ impl Model {
         Ok(HostStateBytes { bytes, elements })
     }
 
+    /// Timing record of the model's last [`forward`](Self::forward) or
+    /// [`forward_backward`](Self::forward_backward), as Chrome trace JSON (open it in
+    /// chrome://tracing or Perfetto): one process per device and one for the host, one thread
+    /// per stream, one complete event per transfer or microbatch computation, times in
+    /// microseconds from the call's start (`rp_model_trace_json` gives every field).
+    pub fn trace_json(&mut self) -> Result<String> {
+        let mut json: *const c_char = ptr::null();
+        check(unsafe { sys::rp_model_trace_json(&mut json, self.ptr.as_ptr()) })?;
+        // SAFETY: library-owned text, valid until the next call on this model; copied now.
+        Ok(unsafe { c_string(json) })
+    }
+
     /// Inference on the published weights: returns the outputs (one tensor when merged, else
     /// one per microbatch). `config` overrides the model's run configuration for this call.
     pub fn forward(

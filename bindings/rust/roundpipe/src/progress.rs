@@ -1,0 +1,77 @@
+//! Progress of long operations (loading and saving weights) reported to a Rust closure.
+
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
+
+use roundpipe_sys as sys;
+
+use crate::error::{check, Result};
+
+type ProgressFn = dyn Fn(&str, i64, i64) + Send + Sync;
+
+// Address of the installed closure (a leaked Box<Box<ProgressFn>>; 0 for none). It is freed when
+// replaced: rp_set_progress_callback returns only once no call to the previous sink is in flight.
+static CURRENT: Mutex<usize> = Mutex::new(0);
+
+unsafe extern "C" fn progress_trampoline(
+    what: *const c_char,
+    done: i64,
+    total: i64,
+    user_data: *mut c_void,
+) {
+    if user_data.is_null() {
+        return;
+    }
+    // SAFETY: user_data is the Box<Box<ProgressFn>> installed by `install`, alive while it is
+    // the library's sink; `what` is borrowed for the call.
+    let f = &*(user_data as *const Box<ProgressFn>);
+    let what = if what.is_null() {
+        std::borrow::Cow::Borrowed("")
+    } else {
+        CStr::from_ptr(what).to_string_lossy()
+    };
+    // A panic must not cross into C; a progress display is not worth failing a load for.
+    let _ = catch_unwind(AssertUnwindSafe(|| f(&what, done, total)));
+}
+
+fn install(user_data: *mut c_void) -> Result<()> {
+    crate::ensure_abi()?;
+    let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+    let fn_: sys::rp_progress_fn = if user_data.is_null() {
+        None
+    } else {
+        Some(progress_trampoline)
+    };
+    // SAFETY: the trampoline matches rp_progress_fn; user_data lives until replaced below.
+    let r = check(unsafe { sys::rp_set_progress_callback(fn_, user_data) });
+    let unused = if r.is_ok() {
+        std::mem::replace(&mut *current, user_data as usize)
+    } else {
+        user_data as usize // refused: the library never saw it
+    };
+    if unused != 0 {
+        // SAFETY: no longer the sink, and no call to it is in flight.
+        drop(unsafe { Box::from_raw(unused as *mut Box<ProgressFn>) });
+    }
+    r
+}
+
+/// Report the progress of long operations to `f(what, done, total)`: creating a model from a
+/// Hugging Face directory and loading or saving weights (`what` is `"load <path>"` or
+/// `"save <path>"`; `done` and `total` count bytes, and every operation that succeeds ends with
+/// one call where `done == total`). Process-wide; `f` runs on the thread that made the call
+/// being reported and must not call back into RoundPipe. A panic in `f` is caught and ignored.
+pub fn set_progress_callback<F>(f: F) -> Result<()>
+where
+    F: Fn(&str, i64, i64) + Send + Sync + 'static,
+{
+    let boxed: Box<Box<ProgressFn>> = Box::new(Box::new(f));
+    install(Box::into_raw(boxed) as *mut c_void)
+}
+
+/// Stop reporting progress (the default).
+pub fn reset_progress_callback() -> Result<()> {
+    install(std::ptr::null_mut())
+}
