@@ -23,7 +23,7 @@
 set -uo pipefail
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-cd "$RP_ROOT"
+cd "$RP_ROOT" || exit 1
 
 dir=${RP_SANITIZE_DIR:-$RP_ROOT/build-sanitize}
 seconds=${RP_FUZZ_SECONDS:-60}

@@ -100,7 +100,7 @@ inline rp_status check(rp_status s, const char *call) {
         break;
     default:
         report(call, std::string("returned ") + std::to_string(static_cast<int>(s)) + " (" +
-                          rp_status_string(s) + "): " + (msg ? msg : "(null message)"));
+                         rp_status_string(s) + "): " + (msg ? msg : "(null message)"));
     }
     if (!msg || !*msg)
         report(call, std::string("returned ") + rp_status_string(s) + " without a message");

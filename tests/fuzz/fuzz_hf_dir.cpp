@@ -74,8 +74,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     else if (model)
         fz::report("rp_model_create_from_hf", "failed but returned a model");
 
-    bool ok = fz::check(rp_model_load_hf(g_model, scratch.dir().c_str()), "rp_model_load_hf") ==
-              RP_OK;
+    bool ok =
+        fz::check(rp_model_load_hf(g_model, scratch.dir().c_str()), "rp_model_load_hf") == RP_OK;
     fz::Weights now = fz::Weights::of(g_model);
     if (!ok && !(now == *g_weights))
         fz::report("rp_model_load_hf", "failed but changed the weights");

@@ -150,6 +150,23 @@ function host_state_bytes(m::Model)
             bytes_per_param=n[] == 0 ? 0.0 : b[] / n[])
 end
 
+"
+Timing record of the model's last `forward` / `forward_backward` as Chrome trace JSON (open it in
+Perfetto): one process per device, one thread per stream, transfers with the bytes they moved.
+"
+function trace_json(m::Model)
+    out = Ref{Cstring}(C_NULL)
+    @check L.rp_model_trace_json(out, _ptr(m))
+    return unsafe_string(out[])
+end
+
+"Training calls whose loss was inf or nan, and steps skipped for inf or nan gradients."
+function nonfinite_counts(m::Model)
+    losses, skipped = Ref{Int64}(0), Ref{Int64}(0)
+    @check L.rp_model_nonfinite_counts(losses, skipped, _ptr(m))
+    return (nonfinite_losses=Int(losses[]), skipped_steps=Int(skipped[]))
+end
+
 # A call taking the model and a path. It synchronizes first, so step callbacks may run on the
 # optimizer thread meanwhile: the call runs GC-safe.
 function _path_call(cfn, m::Model, path::AbstractString)

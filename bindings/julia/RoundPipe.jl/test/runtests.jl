@@ -257,6 +257,9 @@ end
             @test h.elements == n
             @test h.bytes == want * n
             @test h.bytes_per_param == want
+            # CPU devices record compute spans only; the trace names every device.
+            @test occursin("\"traceEvents\"", trace_json(m))
+            @test nonfinite_counts(m) == (nonfinite_losses=0, skipped_steps=0)
             # Saving mode keeps bf16 gradients for a bf16 model: param_grad widens them.
             forward_backward(m, X; labels=Y, loss=loss)
             synchronize!(m)
