@@ -162,6 +162,9 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
     c.head_dim = r.positive_or("head_dim", qwen3 ? 128 : c.hidden / c.heads);
     if (c.head_dim % 2 != 0)
         r.unsupported("head_dim must be even for rotary embeddings");
+    if (c.head_dim > kMaxHeadDim)
+        r.unsupported("head_dim " + std::to_string(c.head_dim) + " is larger than the " +
+                      std::to_string(kMaxHeadDim) + " supported");
     c.eps = r.number(root, "rms_norm_eps", 1e-6);
     if (!(c.eps >= 0 && c.eps <= 1))
         r.unsupported("rms_norm_eps must be in [0, 1]");

@@ -149,6 +149,9 @@ DecoderSpec decoder_spec(LayerArgs &a) {
     if (s.head_dim % 2 != 0)
         a.error("the head dimension must be even for rotary embeddings, got " +
                 std::to_string(s.head_dim));
+    if (s.head_dim > kMaxHeadDim)
+        a.error("the head dimension " + std::to_string(s.head_dim) + " is larger than the " +
+                std::to_string(kMaxHeadDim) + " supported");
     s.hidden = a.positive_int("hidden");
     s.eps = a.number("eps", 1e-6, 0.0, 1.0, false);
     s.qk_norm = a.boolean("qk_norm", false);

@@ -24,6 +24,10 @@ struct RopeSpec {
     int64_t original_max_positions = 8192; // llama3
 };
 
+// Largest head dimension a decoder layer accepts: each layer builds a rotary table of
+// head_dim / 2 floats when it is constructed, before any size check could refuse the model.
+constexpr int64_t kMaxHeadDim = 65536;
+
 struct DecoderSpec {
     int64_t dim = 0;
     int64_t heads = 0;

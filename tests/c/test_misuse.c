@@ -131,6 +131,14 @@ static void out_of_range_json_and_sizes_are_caller_errors(void **state) {
                "\"num_hidden_layers\": 2, \"rms_norm_eps\": 1e400}",
                NULL),
            RP_ERR_INVALID_ARGUMENT, "1e400");
+    /* A head dimension of 2^31 would build a 4 GiB rotary table per layer before any check. */
+    TS_ERR(rp_model_create_from_hf_config(
+               &m,
+               "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 40, "
+               "\"hidden_size\": 16, \"intermediate_size\": 24, \"num_attention_heads\": 4, "
+               "\"num_hidden_layers\": 2, \"head_dim\": 2147483648}",
+               NULL),
+           RP_ERR_INVALID_ARGUMENT, "2147483648");
     assert_null(m);
 }
 
