@@ -16,7 +16,9 @@
 #   RP_SANITIZE_DIR   build folder (default: <repo>/build-sanitize)
 #   RP_FUZZ_SECONDS   seconds per fuzz target (default 60; 0 replays the seeds only)
 #   RP_FUZZ_RSS_MB    libFuzzer's memory limit per process (default 3072)
-#   RP_FUZZ_ALLOC_MB  largest single allocation; bigger ones fail (return NULL) (default 512)
+#   RP_FUZZ_ALLOC_MB  largest single allocation; bigger ones fail (return NULL) (default 128: a
+#                     valid config of a few 400 MB tensors would otherwise pass the library's
+#                     host check and exceed the 3 GB RSS limit of the fuzzer, a harness OOM)
 #   RP_JOBS, CUDA_HOME, PYTHON as for scripts/test.sh.
 # A failing input is left in <build>/fuzz/<target>/ (crash-*, leak-*, timeout-*, oom-*): copy it
 # into tests/fuzz/regressions/<target>/ so that every later run replays it.
@@ -63,7 +65,7 @@ rp_locked cmake --build "$dir" -j "$RP_JOBS" || rp_die "building $dir failed"
 # where a GPU is visible. LeakSanitizer ignores libtorch's and OpenMP's process-lifetime caches
 # (tests/fuzz/lsan.supp).
 symbolizer=$(command -v llvm-symbolizer || true)
-export ASAN_OPTIONS="detect_leaks=1:protect_shadow_gap=0:allocator_may_return_null=1:max_allocation_size_mb=${RP_FUZZ_ALLOC_MB:-512}:detect_stack_use_after_return=0:strict_string_checks=1:check_initialization_order=1:abort_on_error=0${symbolizer:+:external_symbolizer_path=$symbolizer}"
+export ASAN_OPTIONS="detect_leaks=1:protect_shadow_gap=0:allocator_may_return_null=1:max_allocation_size_mb=${RP_FUZZ_ALLOC_MB:-128}:detect_stack_use_after_return=0:strict_string_checks=1:check_initialization_order=1:abort_on_error=0${symbolizer:+:external_symbolizer_path=$symbolizer}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:report_error_type=1"
 export LSAN_OPTIONS="suppressions=$RP_ROOT/tests/fuzz/lsan.supp:print_suppressions=0"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RP_OPTIMIZER_THREADS=${RP_OPTIMIZER_THREADS:-1}
