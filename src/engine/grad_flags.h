@@ -23,10 +23,6 @@ class GradFlags {
         std::lock_guard<std::mutex> lock(mutex_);
         has_grad_[param] = 1;
     }
-    void mark_all() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        has_grad_.assign(has_grad_.size(), 1);
-    }
     void mark_nonfinite() {
         std::lock_guard<std::mutex> lock(mutex_);
         nonfinite_ = true;

@@ -50,6 +50,20 @@ class Layer {
 
     virtual std::string type() const = 0;
     const std::vector<ParamSpec> &params() const { return params_; }
+    // Elements of the parameters this layer owns (tied ones are another layer's); -1 when a
+    // shape from outside (a spec, a config) makes the count overflow an int64.
+    int64_t own_param_elements() const {
+        int64_t n = 0;
+        for (const ParamSpec &spec : params_) {
+            int64_t count = 1;
+            for (int64_t d : spec.shape)
+                if (d < 0 || __builtin_mul_overflow(count, d, &count))
+                    return -1;
+            if (spec.tied_to.empty() && __builtin_add_overflow(n, count, &n))
+                return -1;
+        }
+        return n;
+    }
 
     // `params` are in the order of params(), on the device and dtype of the computation.
     virtual at::Tensor forward(const std::vector<at::Tensor> &params, const at::Tensor &x,

@@ -30,18 +30,6 @@ void initialise(at::Tensor &t, const ParamSpec &spec, at::Generator &gen) {
     }
 }
 
-// Elements of a parameter whose shape came from outside (a spec, a config): the product must fit
-// an int64, or a wrapped count would pass every later check.
-int64_t checked_numel(const ParamSpec &spec, size_t layer, const Layer &owner) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape)
-        if (d < 0 || __builtin_mul_overflow(n, d, &n))
-            fail(ErrorKind::InvalidArgument,
-                 "layer " + std::to_string(layer) + " (" + owner.type() + "): parameter \"" +
-                     spec.name + "\" has more elements than an int64 can count");
-    return n;
-}
-
 std::string gib(double bytes) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / double(int64_t{1} << 30));
@@ -95,14 +83,19 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
     // Saving mode with fp32 weights: the devices read the master itself, so it is the buffer to
     // page-lock.
     const bool live_is_master = saving && model_dtype == at::kFloat;
+    // Sizes come from outside (a spec, a config): an element count that overflows an int64 is
+    // the caller's error, and the total must fit the host before anything is allocated.
     int64_t elements = 0;
-    bool too_many = false; // more than an int64 counts: refused below
-    for (size_t l = 0; l < layers.size(); ++l)
-        for (const ParamSpec &spec : layers[l]->params())
-            if (spec.tied_to.empty())
-                too_many = __builtin_add_overflow(elements, checked_numel(spec, l, *layers[l]),
-                                                  &elements) ||
-                           too_many;
+    bool too_many = false;
+    for (size_t l = 0; l < layers.size(); ++l) {
+        const int64_t n = layers[l]->own_param_elements();
+        if (n < 0)
+            fail(ErrorKind::InvalidArgument, "layer " + std::to_string(l) + " (" +
+                                                 layers[l]->type() +
+                                                 "): its parameters have more elements than "
+                                                 "an int64 can count");
+        too_many = __builtin_add_overflow(elements, n, &elements) || too_many;
+    }
     check_fits_host(too_many ? -1 : elements, model_dtype, mode, "the model");
     for (size_t l = 0; l < layers.size(); ++l) {
         for (const ParamSpec &spec : layers[l]->params()) {

@@ -25,24 +25,10 @@ DecoderSpec decoder_spec(const HfModelConfig &c, double init_std) {
     return decoder;
 }
 
-// Parameter elements of one layer; -1 when they overflow an int64.
-int64_t numel_of(const Layer &layer) {
-    int64_t n = 0;
-    for (const ParamSpec &spec : layer.params()) {
-        int64_t count = 1;
-        for (int64_t d : spec.shape)
-            if (__builtin_mul_overflow(count, d, &count))
-                return -1;
-        if (spec.tied_to.empty() && __builtin_add_overflow(n, count, &n))
-            return -1;
-    }
-    return n;
-}
-
 // A config is a few hundred bytes of text that may describe any number of layers: its host
 // memory is checked from one decoder layer's parameters before the layer list is built.
 void check_fits_host(const HfModelConfig &c, const ModelOptions &options) {
-    const int64_t per_layer = numel_of(*make_decoder_layer(decoder_spec(c, 0.0)));
+    const int64_t per_layer = make_decoder_layer(decoder_spec(c, 0.0))->own_param_elements();
     int64_t total = 0, embeddings = 0;
     bool too_many = per_layer < 0 || __builtin_mul_overflow(per_layer, c.layers, &total) ||
                     __builtin_mul_overflow(c.vocab, c.hidden, &embeddings) ||
