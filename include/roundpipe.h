@@ -451,6 +451,17 @@ RP_API rp_status rp_model_options_set_stage_plan(rp_model_options *options,
 RP_API rp_status rp_model_create(rp_model **out_model, const char *spec_json,
                                  const rp_model_options *options);
 
+/**
+ * Build a model that mixes built-in and caller-defined layers. The spec is as for
+ * rp_model_create, where an entry {"type": "caller", "def": i} is the layer declared by
+ * defs[i]; every def is used exactly once. The model copies each def (callbacks, user_data,
+ * initial values): the defs may be destroyed afterwards.
+ * @return as rp_model_create; the message names a bad entry or def.
+ */
+RP_API rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_json,
+                                             const rp_layer_def *const *defs, size_t n_defs,
+                                             const rp_model_options *options);
+
 /** Destroy a model after draining its pipeline and optimizer thread. NULL is ignored. A model
  * that another thread is in a call on, or destroyed from its own step callback, is not destroyed
  * (an RP_LOG_ERROR message says so): freeing it under the call would crash the call. Destroying a
@@ -568,6 +579,169 @@ RP_API rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tenso
 /** Free the list. Tensors already taken with rp_tensor_list_get stay valid. NULL is ignored. */
 RP_API void rp_tensor_list_destroy(rp_tensor_list *list);
 
+/** Create an empty list, for a program that hands tensors to RoundPipe through one (tests; the
+ * engine creates the lists its callbacks fill). Caller frees with rp_tensor_list_destroy.
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT or RP_ERR_OUT_OF_MEMORY. */
+RP_API rp_status rp_tensor_list_create(rp_tensor_list **out_list);
+
+/** Append a tensor, taking ownership of it: the list calls its deleter (also when this call
+ * fails). NULL appends "no tensor" (an input that needs no gradient); rp_tensor_list_get then
+ * gives NULL for that index. Appended tensors are validated where the engine uses them.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL list); RP_ERR_OUT_OF_MEMORY. Any thread. */
+RP_API rp_status rp_tensor_list_push(rp_tensor_list *list, DLManagedTensor *tensor);
+
+/* ---------------------------------------------------------------------------------------------
+ * Caller-defined layers (docs/semantics.md, "Caller-defined layers")
+ *
+ * A layer whose computation is yours. RoundPipe owns its parameters and buffers exactly as it
+ * owns a built-in layer's: host master weights, pinned copies, streaming to the devices,
+ * gradients, optimizer state, save and load. For each call it lends your callbacks the
+ * parameters and buffers on the device, the device and its compute stream, and the inputs.
+ *
+ * Activations between layers are lists of tensors of any dtype. A caller-defined first layer
+ * receives every input of the call; any other receives the previous layer's outputs. A built-in
+ * layer reads tensor 0 of its input list (and, as always, the call's inputs 1.. as side inputs)
+ * and outputs one tensor.
+ *
+ * Phases of the forward callback (rp_layer_call_info):
+ *  - RP_PHASE_FORWARD: a forward stage, no gradient wanted. Buffers may be updated in place.
+ *  - RP_PHASE_RECOMPUTE: the recompute of a backward stage, with gradient: keep what your
+ *    backward needs in *context. The seed equals the forward's, so dropout masks match.
+ *    Buffers must not change (their update already happened in the forward).
+ *  - RP_PHASE_TAIL: the fused tail stage: forward with gradient (keep a context as for
+ *    RP_PHASE_RECOMPUTE); buffers may be updated in place. Backward follows.
+ * After RP_PHASE_RECOMPUTE and RP_PHASE_TAIL the engine calls backward once with the gradients
+ * of the outputs, then release(context); when the call fails in between, it calls only release.
+ * Buffers changed in place by RP_PHASE_FORWARD or RP_PHASE_TAIL are written back to host memory
+ * at the end of the stage.
+ *
+ * Threads and streams: callbacks run on a device worker thread of the model (or an autograd
+ * thread for backward), one device at a time per thread but possibly concurrently for different
+ * devices. Launch GPU work on the stream rp_layer_call_info gives (the engine orders it against
+ * its transfers); do not synchronise the device. Do not call back into RoundPipe with the same
+ * model. Tensors you return may live on the layer's device or on the CPU, in any dtype the
+ * engine can convert (floating outputs are converted to the model dtype).
+ * ------------------------------------------------------------------------------------------- */
+
+/** What a forward callback is asked to do (see above). */
+typedef enum rp_layer_phase {
+    RP_PHASE_FORWARD = 0,
+    RP_PHASE_RECOMPUTE = 1,
+    RP_PHASE_TAIL = 2
+} rp_layer_phase;
+
+/** A caller-defined layer's declaration: callbacks, parameters and buffers. */
+typedef struct rp_layer_def rp_layer_def;
+
+/** What one callback invocation is lent: device, stream, phase, seed, parameters, buffers.
+ * Valid only during the callback. */
+typedef struct rp_layer_call rp_layer_call;
+
+/**
+ * Forward of one microbatch.
+ * @param out_outputs append the outputs (at least one), in order; RoundPipe owns them.
+ * @param inout_context in RP_PHASE_RECOMPUTE and RP_PHASE_TAIL, store what backward needs
+ *        (starts NULL); ignored in RP_PHASE_FORWARD.
+ * @param call the device, phase, parameters and buffers.
+ * @param inputs the layer's inputs, borrowed for the callback.
+ * @return 0 on success; any other value fails the call with RP_ERR_CALLBACK (release is still
+ *         called for a context you stored).
+ */
+typedef int32_t (*rp_layer_forward_fn)(rp_tensor_list *out_outputs, void **inout_context,
+                                       const rp_layer_call *call,
+                                       const DLManagedTensor *const *inputs, size_t n_inputs,
+                                       void *user_data);
+
+/**
+ * Backward of one microbatch, after RP_PHASE_RECOMPUTE or RP_PHASE_TAIL.
+ * @param out_input_grads append one entry per input: its gradient (the input's shape) or NULL
+ *        where the input needs none (integer inputs always get NULL).
+ * @param out_param_grads append one entry per parameter in declaration order: its gradient (the
+ *        parameter's shape) or NULL; a frozen parameter must get NULL. RoundPipe accumulates
+ *        them into the parameters' gradients.
+ * @param context what the forward stored.
+ * @param output_grads one per output of the forward: the gradient of the loss with respect to
+ *        it, borrowed; NULL where an output received none (integer outputs, unused outputs).
+ * @return 0 on success; any other value fails the call with RP_ERR_CALLBACK.
+ */
+typedef int32_t (*rp_layer_backward_fn)(rp_tensor_list *out_input_grads,
+                                        rp_tensor_list *out_param_grads, void *context,
+                                        const rp_layer_call *call,
+                                        const DLManagedTensor *const *output_grads,
+                                        size_t n_outputs, void *user_data);
+
+/** Frees a context stored by a forward callback. Called exactly once per stored context. */
+typedef void (*rp_layer_release_fn)(void *context, void *user_data);
+
+/**
+ * Declare a caller-defined layer. Caller frees with rp_layer_def_destroy (a model built from it
+ * keeps its own copy; `user_data` must outlive every model built from it).
+ * @param type_name names the layer in messages and traces (e.g. "python:BasicBlock").
+ * @param forward required. @param backward NULL for a layer that passes no gradient (no
+ *        trainable parameters, inputs that need none). @param release NULL when no context is
+ *        ever stored.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL out_def, type_name or forward); RP_ERR_OUT_OF_MEMORY.
+ */
+RP_API rp_status rp_layer_def_create(rp_layer_def **out_def, const char *type_name,
+                                     rp_layer_forward_fn forward, rp_layer_backward_fn backward,
+                                     rp_layer_release_fn release, void *user_data);
+
+/** Free a declaration. NULL is ignored. */
+RP_API void rp_layer_def_destroy(rp_layer_def *def);
+
+/**
+ * Declare a parameter, in the order the callbacks receive them. Its shape is `initial`'s; its
+ * value is copied from `initial` now. Floating parameters are held in the model dtype (trainable
+ * ones with an fp32 master, gradient and optimizer state); a frozen parameter gets no master, no
+ * gradient and no optimizer state, and keeps a non-floating dtype as given.
+ * @param name unique within the layer, e.g. "conv1.weight"; the model names it
+ *        "<layer index>.<name>".
+ * @param initial borrowed; contiguous, in host or GPU memory, any dtype libtorch knows.
+ * @param trainable 1: gets gradients and optimizer updates (must be floating); 0: frozen.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, empty or duplicate name, bad tensor, a
+ *         non-floating trainable parameter); RP_ERR_OUT_OF_MEMORY.
+ */
+RP_API rp_status rp_layer_def_add_param(rp_layer_def *def, const char *name,
+                                        const DLManagedTensor *initial, int32_t trainable);
+
+/**
+ * Declare a buffer (state that is not trained: BatchNorm running statistics, counters), in the
+ * order the callbacks receive them. Value copied from `initial`; floating buffers are held in the
+ * model dtype, others keep their dtype. Saved and loaded with the parameters; updated only by
+ * RP_PHASE_FORWARD and RP_PHASE_TAIL. Same rules and statuses as rp_layer_def_add_param.
+ */
+RP_API rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name,
+                                         const DLManagedTensor *initial);
+
+/** Relative cost of the layer for the stage planner before anything is measured (default: its
+ * parameter count plus a constant, as for built-in layers). @return RP_OK or
+ * RP_ERR_INVALID_ARGUMENT (NULL, negative or non-finite). */
+RP_API rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);
+
+/**
+ * The scalar facts of a callback invocation; any out-parameter may be NULL.
+ * @param out_phase an rp_layer_phase (loss callbacks: RP_PHASE_TAIL).
+ * @param out_device_type kDLCPU or kDLCUDA; @param out_device_id the device index.
+ * @param out_stream the cudaStream_t to launch on (NULL on CPU devices).
+ * @param out_seed the same in a forward and its recompute (use it for dropout).
+ * @param out_microbatch index of the microbatch in the call.
+ * @param out_training 1 in a training call (forward_backward), 0 in rp_forward.
+ */
+RP_API rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type,
+                                    int32_t *out_device_id, void **out_stream, uint64_t *out_seed,
+                                    int32_t *out_microbatch, int32_t *out_training,
+                                    const rp_layer_call *call);
+
+/**
+ * The layer's parameters and buffers on the device, in declaration order, in their held dtype;
+ * borrowed, valid until the callback returns. Do not write parameters; write buffers only in
+ * RP_PHASE_FORWARD and RP_PHASE_TAIL. Any out-parameter may be NULL.
+ */
+RP_API rp_status rp_layer_call_tensors(const DLManagedTensor *const **out_params,
+                                       size_t *out_n_params,
+                                       const DLManagedTensor *const **out_buffers,
+                                       size_t *out_n_buffers, const rp_layer_call *call);
+
 /**
  * Split one tensor into `num_microbatch` pieces by the rule the engine applies to inputs and
  * labels: along dimension `dim` with the sizes of torch.tensor_split (the first pieces one row
@@ -622,6 +796,24 @@ typedef int32_t (*rp_loss_fn)(double *out_loss, DLManagedTensor **out_grad,
                               const DLManagedTensor *outputs, const DLManagedTensor *labels,
                               int32_t microbatch, void *user_data);
 
+/**
+ * Custom loss of one microbatch, computed on the device where the tail stage ran. Called on a
+ * device worker thread, like a layer callback (same threads and stream rules).
+ * @param out_loss receives this microbatch's loss: a tensor of one element, any float dtype, on
+ *        the device or the CPU (left on the device, no synchronisation is needed). RoundPipe
+ *        takes ownership.
+ * @param out_grads append d(loss)/d(output) for each output, in order (the output's shape, any
+ *        float dtype), or NULL for an output without one. RoundPipe owns them.
+ * @param call the device, stream and microbatch (phase RP_PHASE_TAIL; no parameters).
+ * @param outputs the microbatch's outputs on the device, in the model dtype, borrowed.
+ * @param labels the microbatch's labels on the device, borrowed (NULL when the call has none).
+ * @return 0 on success; any other value fails the call with RP_ERR_CALLBACK.
+ */
+typedef int32_t (*rp_device_loss_fn)(DLManagedTensor **out_loss, rp_tensor_list *out_grads,
+                                     const rp_layer_call *call,
+                                     const DLManagedTensor *const *outputs, size_t n_outputs,
+                                     const DLManagedTensor *labels, void *user_data);
+
 /** Create a built-in loss. Caller frees with rp_loss_destroy.
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (unknown kind). */
 RP_API rp_status rp_loss_create(rp_loss **out_loss, int32_t kind);
@@ -629,6 +821,12 @@ RP_API rp_status rp_loss_create(rp_loss **out_loss, int32_t kind);
 /** Create a loss computed by `fn`. `user_data` must outlive every call using the loss.
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL fn). */
 RP_API rp_status rp_loss_create_callback(rp_loss **out_loss, rp_loss_fn fn, void *user_data);
+
+/** Create a loss computed on the device by `fn` (rp_device_loss_fn). The loss scale multiplies
+ * the returned loss and gradients. `user_data` must outlive every call using the loss.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL fn). */
+RP_API rp_status rp_loss_create_device_callback(rp_loss **out_loss, rp_device_loss_fn fn,
+                                                void *user_data);
 
 /** Multiply the loss (and so its gradient) by `scale` (default 1; e.g. 1/num_microbatch for a
  * batch mean). @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL, non-finite). */
@@ -780,6 +978,19 @@ RP_API rp_status rp_param_find(size_t *out_index, const rp_model *model, const c
  * @return RP_OK; RP_ERR_STATE for a model not built from a Hugging Face config;
  *         RP_ERR_INVALID_ARGUMENT (NULL, index out of range). Any thread. */
 RP_API rp_status rp_param_hf_name(const char **out_name, const rp_model *model, size_t index);
+
+/** What a model tensor is (rp_layer_def_add_param, rp_layer_def_add_buffer). Built-in layers'
+ * parameters are all RP_PARAM_TRAINABLE. Only trainable parameters have an fp32 master,
+ * gradients and optimizer state; for the others rp_param_master gives the held value (in its
+ * held dtype) and rp_param_grad fails. */
+typedef enum rp_param_kind {
+    RP_PARAM_TRAINABLE = 0,
+    RP_PARAM_FROZEN = 1,
+    RP_PARAM_BUFFER = 2
+} rp_param_kind;
+
+/** The rp_param_kind of tensor `index`. @return RP_OK or RP_ERR_INVALID_ARGUMENT. */
+RP_API rp_status rp_param_kind_of(int32_t *out_kind, const rp_model *model, size_t index);
 
 /** Shape of parameter `index`: `*out_ndim` receives the rank; up to `capacity` sizes are written
  * to `out_shape` (which may be NULL when capacity is 0). */
