@@ -509,6 +509,24 @@ class GateCatchesHeaderConventions(unittest.TestCase):
                    "header: rp_optimizer_create: has no matching rp_optimizer_destroy",
                    "header: rp_optimizer: opaque handle has no rp_optimizer_destroy")
 
+    def test_lent_handle_that_a_call_produces_needs_a_destroy(self):
+        # rp_layer_call is lent to callbacks only (const, never produced): no destroy needed.
+        # Once a call hands one out, the caller owns it and must be able to free it.
+        self.check(lambda s: s.replace(
+            "RP_API rp_status rp_cuda_device_count(int32_t *out_count);",
+            "RP_API rp_status rp_cuda_device_count(int32_t *out_count);\n"
+            "RP_API rp_status rp_layer_call_copy(rp_layer_call **out_call, "
+            "const rp_layer_call *call);"),
+            "header: rp_layer_call: opaque handle has no rp_layer_call_destroy")
+
+    def test_lent_handle_passed_mutable_needs_a_destroy(self):
+        self.check(lambda s: s.replace(
+            "int32_t *out_microbatch, int32_t *out_training,\n"
+            "                                    const rp_layer_call *call);",
+            "int32_t *out_microbatch, int32_t *out_training,\n"
+            "                                    rp_layer_call *call);"),
+            "header: rp_layer_call: opaque handle has no rp_layer_call_destroy")
+
     def test_callback_user_data_not_last(self):
         self.check(lambda s: s.replace(
             "typedef int32_t (*rp_step_fn)(rp_model *model, void *user_data);",

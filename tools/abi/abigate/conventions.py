@@ -140,8 +140,28 @@ def check_conventions(hdr):
             bad(f.name, "destroys %s, but its name says %s" % (h, stem))
         if h is not None and h not in produced:
             bad(f.name, "no function creates %s (no `%s **out_...` parameter anywhere)" % (h, h))
+    # A handle the library only lends (rp_layer_call: valid during a callback) is never
+    # produced and never owned by the caller, so it needs no destroy; every pointer to it must
+    # then be const, so that nothing could pass it where ownership moves.
+    mutable_uses = set()
+
+    def note_pointers(t):
+        while t is not None and t.kind == "ptr":
+            h = _handle_of(t)
+            if h is not None and not t.const:
+                mutable_uses.add(h)
+            t = t.inner
+
+    for f in hdr.functions.values():
+        for p in f.params:
+            note_pointers(p.type)
+    for t in hdr.callbacks.values():
+        for p in t.inner.params:
+            note_pointers(p)
     for h in sorted(opaque):
-        if h not in destroys:
+        if h in destroys:
+            continue
+        if h in produced or h in mutable_uses:
             bad(h, "opaque handle has no %s_destroy" % h)
 
     # rp_status: RP_OK is 0, every error negative.

@@ -184,6 +184,16 @@ const RP_OPTIMIZER_ADAMW = 0
 const RP_OPTIMIZER_SGD = 1
 
 "ABI version this package was written for; compared with `rp_abi_version()` at load."
+const rp_layer_phase = Cint
+const RP_PHASE_FORWARD = 0
+const RP_PHASE_RECOMPUTE = 1
+const RP_PHASE_TAIL = 2
+
+const rp_param_kind = Cint
+const RP_PARAM_TRAINABLE = 0
+const RP_PARAM_FROZEN = 1
+const RP_PARAM_BUFFER = 2
+
 const RP_ABI_VERSION = 1
 
 # -------------------------------------------------------------------------------------------
@@ -196,6 +206,8 @@ mutable struct rp_model end
 mutable struct rp_tensor_list end
 mutable struct rp_loss end
 mutable struct rp_optimizer end
+mutable struct rp_layer_def end
+mutable struct rp_layer_call end  # lent to callbacks only, valid during the callback
 
 # -------------------------------------------------------------------------------------------
 # Callback types: C function pointers, made with @cfunction. Signatures:
@@ -207,6 +219,20 @@ mutable struct rp_optimizer end
 #                         const DLManagedTensor *outputs, const DLManagedTensor *labels,
 #                         int32_t microbatch, void *user_data)
 #   rp_step_fn:  int32_t (rp_model *model, void *user_data)
+#   rp_layer_forward_fn:  int32_t (rp_tensor_list *out_outputs, void **inout_context,
+#                                  const rp_layer_call *call,
+#                                  const DLManagedTensor *const *inputs, size_t n_inputs,
+#                                  void *user_data)
+#   rp_layer_backward_fn: int32_t (rp_tensor_list *out_input_grads,
+#                                  rp_tensor_list *out_param_grads, void *context,
+#                                  const rp_layer_call *call,
+#                                  const DLManagedTensor *const *output_grads, size_t n_outputs,
+#                                  void *user_data)
+#   rp_layer_release_fn:  void    (void *context, void *user_data)
+#   rp_device_loss_fn:    int32_t (DLManagedTensor **out_loss, rp_tensor_list *out_grads,
+#                                  const rp_layer_call *call,
+#                                  const DLManagedTensor *const *outputs, size_t n_outputs,
+#                                  const DLManagedTensor *labels, void *user_data)
 # -------------------------------------------------------------------------------------------
 
 const rp_log_fn = Ptr{Cvoid}
@@ -214,6 +240,10 @@ const rp_progress_fn = Ptr{Cvoid}
 const rp_split_fn = Ptr{Cvoid}
 const rp_loss_fn = Ptr{Cvoid}
 const rp_step_fn = Ptr{Cvoid}
+const rp_layer_forward_fn = Ptr{Cvoid}
+const rp_layer_backward_fn = Ptr{Cvoid}
+const rp_layer_release_fn = Ptr{Cvoid}
+const rp_device_loss_fn = Ptr{Cvoid}
 
 # -------------------------------------------------------------------------------------------
 # Functions, in the header's order
@@ -420,6 +450,12 @@ rp_model_create(out_model, spec_json, options) =
           (Ptr{Ptr{rp_model}}, Cstring, Ptr{rp_model_options}),
           out_model, spec_json, options)
 
+# rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_json, const rp_layer_def *const *defs, size_t n_defs, const rp_model_options *options);
+rp_model_create_with_layers(out_model, spec_json, defs, n_defs, options) =
+    ccall((:rp_model_create_with_layers, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_model}}, Cstring, Ptr{Ptr{rp_layer_def}}, Csize_t, Ptr{rp_model_options}),
+          out_model, spec_json, defs, n_defs, options)
+
 # void rp_model_destroy(rp_model *model);
 rp_model_destroy(model) = ccall((:rp_model_destroy, libroundpipe()), Cvoid, (Ptr{rp_model},), model)
 
@@ -519,6 +555,65 @@ rp_tensor_list_destroy(list) =
           (Ptr{rp_tensor_list},),
           list)
 
+# rp_status rp_tensor_list_create(rp_tensor_list **out_list);
+rp_tensor_list_create(out_list) =
+    ccall((:rp_tensor_list_create, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_tensor_list}},),
+          out_list)
+
+# rp_status rp_tensor_list_push(rp_tensor_list *list, DLManagedTensor *tensor);
+rp_tensor_list_push(list, tensor) =
+    ccall((:rp_tensor_list_push, libroundpipe()), rp_status,
+          (Ptr{rp_tensor_list}, Ptr{DLManagedTensor}),
+          list, tensor)
+
+# rp_status rp_layer_def_create(rp_layer_def **out_def, const char *type_name, rp_layer_forward_fn forward, rp_layer_backward_fn backward, rp_layer_release_fn release, void *user_data);
+rp_layer_def_create(out_def, type_name, forward, backward, release, user_data) =
+    ccall((:rp_layer_def_create, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_layer_def}}, Cstring, rp_layer_forward_fn, rp_layer_backward_fn,
+           rp_layer_release_fn, Ptr{Cvoid}),
+          out_def, type_name, forward, backward, release, user_data)
+
+# void rp_layer_def_destroy(rp_layer_def *def);
+rp_layer_def_destroy(def) =
+    ccall((:rp_layer_def_destroy, libroundpipe()), Cvoid,
+          (Ptr{rp_layer_def},),
+          def)
+
+# rp_status rp_layer_def_add_param(rp_layer_def *def, const char *name, const DLManagedTensor *initial, int32_t trainable);
+rp_layer_def_add_param(def, name, initial, trainable) =
+    ccall((:rp_layer_def_add_param, libroundpipe()), rp_status,
+          (Ptr{rp_layer_def}, Cstring, Ptr{DLManagedTensor}, Int32),
+          def, name, initial, trainable)
+
+# rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name, const DLManagedTensor *initial);
+rp_layer_def_add_buffer(def, name, initial) =
+    ccall((:rp_layer_def_add_buffer, libroundpipe()), rp_status,
+          (Ptr{rp_layer_def}, Cstring, Ptr{DLManagedTensor}),
+          def, name, initial)
+
+# rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);
+rp_layer_def_set_cost(def, cost) =
+    ccall((:rp_layer_def_set_cost, libroundpipe()), rp_status,
+          (Ptr{rp_layer_def}, Cdouble),
+          def, cost)
+
+# rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type, int32_t *out_device_id, void **out_stream, uint64_t *out_seed, int32_t *out_microbatch, int32_t *out_training, const rp_layer_call *call);
+rp_layer_call_info(out_phase, out_device_type, out_device_id, out_stream, out_seed, out_microbatch,
+                   out_training, call) =
+    ccall((:rp_layer_call_info, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Int32}, Ptr{Int32}, Ptr{Ptr{Cvoid}}, Ptr{UInt64}, Ptr{Int32},
+           Ptr{Int32}, Ptr{rp_layer_call}),
+          out_phase, out_device_type, out_device_id, out_stream, out_seed, out_microbatch,
+          out_training, call)
+
+# rp_status rp_layer_call_tensors(const DLManagedTensor *const **out_params, size_t *out_n_params, const DLManagedTensor *const **out_buffers, size_t *out_n_buffers, const rp_layer_call *call);
+rp_layer_call_tensors(out_params, out_n_params, out_buffers, out_n_buffers, call) =
+    ccall((:rp_layer_call_tensors, libroundpipe()), rp_status,
+          (Ptr{Ptr{Ptr{DLManagedTensor}}}, Ptr{Csize_t}, Ptr{Ptr{Ptr{DLManagedTensor}}},
+           Ptr{Csize_t}, Ptr{rp_layer_call}),
+          out_params, out_n_params, out_buffers, out_n_buffers, call)
+
 # rp_status rp_split_microbatches(rp_tensor_list **out_pieces, const DLManagedTensor *tensor, int32_t dim, int32_t num_microbatch);
 rp_split_microbatches(out_pieces, tensor, dim, num_microbatch) =
     ccall((:rp_split_microbatches, libroundpipe()), rp_status,
@@ -535,6 +630,12 @@ rp_loss_create(out_loss, kind) =
 rp_loss_create_callback(out_loss, fn, user_data) =
     ccall((:rp_loss_create_callback, libroundpipe()), rp_status,
           (Ptr{Ptr{rp_loss}}, rp_loss_fn, Ptr{Cvoid}),
+          out_loss, fn, user_data)
+
+# rp_status rp_loss_create_device_callback(rp_loss **out_loss, rp_device_loss_fn fn, void *user_data);
+rp_loss_create_device_callback(out_loss, fn, user_data) =
+    ccall((:rp_loss_create_device_callback, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_loss}}, rp_device_loss_fn, Ptr{Cvoid}),
           out_loss, fn, user_data)
 
 # rp_status rp_loss_set_scale(rp_loss *loss, double scale);
@@ -643,6 +744,12 @@ rp_param_hf_name(out_name, model, index) =
     ccall((:rp_param_hf_name, libroundpipe()), rp_status,
           (Ptr{Cstring}, Ptr{rp_model}, Csize_t),
           out_name, model, index)
+
+# rp_status rp_param_kind_of(int32_t *out_kind, const rp_model *model, size_t index);
+rp_param_kind_of(out_kind, model, index) =
+    ccall((:rp_param_kind_of, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{rp_model}, Csize_t),
+          out_kind, model, index)
 
 # rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity, const rp_model *model, size_t index);
 rp_param_shape(out_shape, out_ndim, capacity, model, index) =

@@ -169,6 +169,16 @@ pub type rp_optimizer_kind = c_int;
 pub const RP_OPTIMIZER_ADAMW: rp_optimizer_kind = 0;
 pub const RP_OPTIMIZER_SGD: rp_optimizer_kind = 1;
 
+pub type rp_layer_phase = c_int;
+pub const RP_PHASE_FORWARD: rp_layer_phase = 0;
+pub const RP_PHASE_RECOMPUTE: rp_layer_phase = 1;
+pub const RP_PHASE_TAIL: rp_layer_phase = 2;
+
+pub type rp_param_kind = c_int;
+pub const RP_PARAM_TRAINABLE: rp_param_kind = 0;
+pub const RP_PARAM_FROZEN: rp_param_kind = 1;
+pub const RP_PARAM_BUFFER: rp_param_kind = 2;
+
 /// ABI version this crate was written for; compare with `rp_abi_version()` before use.
 pub const RP_ABI_VERSION: i32 = 1;
 
@@ -200,6 +210,14 @@ pub struct rp_loss {
 pub struct rp_optimizer {
     _private: [u8; 0],
 }
+#[repr(C)]
+pub struct rp_layer_def {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct rp_layer_call {
+    _private: [u8; 0],
+}
 
 // -------------------------------------------------------------------------------------------
 // Callback types
@@ -222,6 +240,44 @@ pub type rp_loss_fn = Option<
         outputs: *const DLManagedTensor,
         labels: *const DLManagedTensor,
         microbatch: i32,
+        user_data: *mut c_void,
+    ) -> i32,
+>;
+
+pub type rp_layer_forward_fn = Option<
+    unsafe extern "C" fn(
+        out_outputs: *mut rp_tensor_list,
+        inout_context: *mut *mut c_void,
+        call: *const rp_layer_call,
+        inputs: *const *const DLManagedTensor,
+        n_inputs: usize,
+        user_data: *mut c_void,
+    ) -> i32,
+>;
+
+pub type rp_layer_backward_fn = Option<
+    unsafe extern "C" fn(
+        out_input_grads: *mut rp_tensor_list,
+        out_param_grads: *mut rp_tensor_list,
+        context: *mut c_void,
+        call: *const rp_layer_call,
+        output_grads: *const *const DLManagedTensor,
+        n_outputs: usize,
+        user_data: *mut c_void,
+    ) -> i32,
+>;
+
+pub type rp_layer_release_fn =
+    Option<unsafe extern "C" fn(context: *mut c_void, user_data: *mut c_void)>;
+
+pub type rp_device_loss_fn = Option<
+    unsafe extern "C" fn(
+        out_loss: *mut *mut DLManagedTensor,
+        out_grads: *mut rp_tensor_list,
+        call: *const rp_layer_call,
+        outputs: *const *const DLManagedTensor,
+        n_outputs: usize,
+        labels: *const DLManagedTensor,
         user_data: *mut c_void,
     ) -> i32,
 >;
@@ -344,6 +400,13 @@ extern "C" {
         spec_json: *const c_char,
         options: *const rp_model_options,
     ) -> rp_status;
+    pub fn rp_model_create_with_layers(
+        out_model: *mut *mut rp_model,
+        spec_json: *const c_char,
+        defs: *const *const rp_layer_def,
+        n_defs: usize,
+        options: *const rp_model_options,
+    ) -> rp_status;
     pub fn rp_model_destroy(model: *mut rp_model);
     pub fn rp_model_num_layers(out_count: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_model_num_stages(out_count: *mut i32, model: *const rp_model) -> rp_status;
@@ -392,6 +455,49 @@ extern "C" {
         index: usize,
     ) -> rp_status;
     pub fn rp_tensor_list_destroy(list: *mut rp_tensor_list);
+    pub fn rp_tensor_list_create(out_list: *mut *mut rp_tensor_list) -> rp_status;
+    pub fn rp_tensor_list_push(list: *mut rp_tensor_list, tensor: *mut DLManagedTensor)
+        -> rp_status;
+
+    // Caller-defined layers
+    pub fn rp_layer_def_create(
+        out_def: *mut *mut rp_layer_def,
+        type_name: *const c_char,
+        forward: rp_layer_forward_fn,
+        backward: rp_layer_backward_fn,
+        release: rp_layer_release_fn,
+        user_data: *mut c_void,
+    ) -> rp_status;
+    pub fn rp_layer_def_destroy(def: *mut rp_layer_def);
+    pub fn rp_layer_def_add_param(
+        def: *mut rp_layer_def,
+        name: *const c_char,
+        initial: *const DLManagedTensor,
+        trainable: i32,
+    ) -> rp_status;
+    pub fn rp_layer_def_add_buffer(
+        def: *mut rp_layer_def,
+        name: *const c_char,
+        initial: *const DLManagedTensor,
+    ) -> rp_status;
+    pub fn rp_layer_def_set_cost(def: *mut rp_layer_def, cost: c_double) -> rp_status;
+    pub fn rp_layer_call_info(
+        out_phase: *mut i32,
+        out_device_type: *mut i32,
+        out_device_id: *mut i32,
+        out_stream: *mut *mut c_void,
+        out_seed: *mut u64,
+        out_microbatch: *mut i32,
+        out_training: *mut i32,
+        call: *const rp_layer_call,
+    ) -> rp_status;
+    pub fn rp_layer_call_tensors(
+        out_params: *mut *const *const DLManagedTensor,
+        out_n_params: *mut usize,
+        out_buffers: *mut *const *const DLManagedTensor,
+        out_n_buffers: *mut usize,
+        call: *const rp_layer_call,
+    ) -> rp_status;
     pub fn rp_split_microbatches(
         out_pieces: *mut *mut rp_tensor_list,
         tensor: *const DLManagedTensor,
@@ -404,6 +510,11 @@ extern "C" {
     pub fn rp_loss_create_callback(
         out_loss: *mut *mut rp_loss,
         fn_: rp_loss_fn,
+        user_data: *mut c_void,
+    ) -> rp_status;
+    pub fn rp_loss_create_device_callback(
+        out_loss: *mut *mut rp_loss,
+        fn_: rp_device_loss_fn,
         user_data: *mut c_void,
     ) -> rp_status;
     pub fn rp_loss_set_scale(loss: *mut rp_loss, scale: c_double) -> rp_status;
@@ -475,6 +586,8 @@ extern "C" {
         model: *const rp_model,
         index: usize,
     ) -> rp_status;
+    pub fn rp_param_kind_of(out_kind: *mut i32, model: *const rp_model, index: usize)
+        -> rp_status;
     pub fn rp_param_shape(
         out_shape: *mut i64,
         out_ndim: *mut i32,
