@@ -451,16 +451,6 @@ RP_API rp_status rp_model_options_set_stage_plan(rp_model_options *options,
 RP_API rp_status rp_model_create(rp_model **out_model, const char *spec_json,
                                  const rp_model_options *options);
 
-/**
- * Build a model that mixes built-in and caller-defined layers. The spec is as for
- * rp_model_create, where an entry {"type": "caller", "def": i} is the layer declared by
- * defs[i]; every def is used exactly once. The model copies each def (callbacks, user_data,
- * initial values): the defs may be destroyed afterwards.
- * @return as rp_model_create; the message names a bad entry or def.
- */
-RP_API rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_json,
-                                             const rp_layer_def *const *defs, size_t n_defs,
-                                             const rp_model_options *options);
 
 /** Destroy a model after draining its pipeline and optimizer thread. NULL is ignored. A model
  * that another thread is in a call on, or destroyed from its own step callback, is not destroyed
@@ -611,7 +601,9 @@ RP_API rp_status rp_tensor_list_push(rp_tensor_list *list, DLManagedTensor *tens
  *  - RP_PHASE_TAIL: the fused tail stage: forward with gradient (keep a context as for
  *    RP_PHASE_RECOMPUTE); buffers may be updated in place. Backward follows.
  * After RP_PHASE_RECOMPUTE and RP_PHASE_TAIL the engine calls backward once with the gradients
- * of the outputs, then release(context); when the call fails in between, it calls only release.
+ * of the outputs, then release(context). It calls only release when the call fails in between,
+ * and when no gradient is wanted from that pass: nothing before the layer needs one and it has
+ * no trainable parameter, or it is the gradient-free first pass of an RP_GRAIN_LAYER recompute.
  * Buffers changed in place by RP_PHASE_FORWARD or RP_PHASE_TAIL are written back to host memory
  * at the end of the stage.
  *
@@ -620,7 +612,8 @@ RP_API rp_status rp_tensor_list_push(rp_tensor_list *list, DLManagedTensor *tens
  * devices. Launch GPU work on the stream rp_layer_call_info gives (the engine orders it against
  * its transfers); do not synchronise the device. Do not call back into RoundPipe with the same
  * model. Tensors you return may live on the layer's device or on the CPU, in any dtype the
- * engine can convert (floating outputs are converted to the model dtype).
+ * engine can convert (floating activations are converted to the model dtype where they cross
+ * from one stage to the next).
  * ------------------------------------------------------------------------------------------- */
 
 /** What a forward callback is asked to do (see above). */
@@ -741,6 +734,17 @@ RP_API rp_status rp_layer_call_tensors(const DLManagedTensor *const **out_params
                                        size_t *out_n_params,
                                        const DLManagedTensor *const **out_buffers,
                                        size_t *out_n_buffers, const rp_layer_call *call);
+
+/**
+ * Build a model that mixes built-in and caller-defined layers. The spec is as for
+ * rp_model_create, where an entry {"type": "caller", "def": i} is the layer declared by
+ * defs[i]; every def is used exactly once. The model copies each def (callbacks, user_data,
+ * initial values): the defs may be destroyed afterwards.
+ * @return as rp_model_create; the message names a bad entry or def.
+ */
+RP_API rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_json,
+                                             const rp_layer_def *const *defs, size_t n_defs,
+                                             const rp_model_options *options);
 
 /**
  * Split one tensor into `num_microbatch` pieces by the rule the engine applies to inputs and

@@ -383,6 +383,19 @@ rp_status rp_loss_create_callback(rp_loss **out_loss, rp_loss_fn fn, void *user_
     });
 }
 
+rp_status rp_loss_create_device_callback(rp_loss **out_loss, rp_device_loss_fn fn,
+                                         void *user_data) {
+    return guard([&] {
+        require_arg(out_loss, "out_loss is NULL");
+        require_arg(fn, "loss callback is NULL");
+        auto loss = std::make_unique<rp_loss>();
+        loss->kind = LossKind::DeviceCallback;
+        loss->device_fn = fn;
+        loss->user_data = user_data;
+        *out_loss = loss.release();
+    });
+}
+
 rp_status rp_loss_set_scale(rp_loss *loss, double scale) {
     return guard([&] {
         require_arg(loss, "loss is NULL");

@@ -1,5 +1,6 @@
 // Model lifetime, forward, fused forward + backward, optimizer steps.
 #include "api/api_guard.h"
+#include "api/caller_bridge.h"
 #include "api/dlpack_bridge.h"
 #include "api/handles.h"
 #include "api/model_call.h"
@@ -36,6 +37,8 @@ Loss make_loss(const rp_loss *l) {
         return loss;
     loss.kind = l->kind;
     loss.scale = l->scale;
+    if (l->kind == LossKind::DeviceCallback)
+        loss.device_callback = make_device_loss_callback(l->device_fn, l->user_data);
     if (l->kind == LossKind::Callback) {
         rp_loss_fn fn = l->fn;
         void *user_data = l->user_data;
@@ -246,7 +249,8 @@ rp_status rp_tensor_list_get(DLManagedTensor **out_tensor, const rp_tensor_list 
         require(index < list->tensors.size(), "index " + std::to_string(index) +
                                                   " is out of range (list holds " +
                                                   std::to_string(list->tensors.size()) + ")");
-        *out_tensor = export_dlpack(list->tensors[index]);
+        const at::Tensor &t = list->tensors[index];
+        *out_tensor = t.defined() ? export_dlpack(t) : nullptr; // NULL where NULL was pushed
     });
 }
 

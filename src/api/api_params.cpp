@@ -51,6 +51,24 @@ rp_status rp_param_find(size_t *out_index, const rp_model *model, const char *na
     });
 }
 
+rp_status rp_param_kind_of(int32_t *out_kind, const rp_model *model, size_t index) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_kind, "out_kind is NULL");
+        switch (param_of(model, index).role) {
+        case ParamRole::Trainable:
+            *out_kind = RP_PARAM_TRAINABLE;
+            break;
+        case ParamRole::Frozen:
+            *out_kind = RP_PARAM_FROZEN;
+            break;
+        case ParamRole::Buffer:
+            *out_kind = RP_PARAM_BUFFER;
+            break;
+        }
+    });
+}
+
 rp_status rp_param_shape(int64_t *out_shape, int32_t *out_ndim, int32_t capacity,
                          const rp_model *model, size_t index) {
     return guard([&] {
@@ -78,6 +96,9 @@ rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t in
         ModelCall hold(model);
         require_arg(out_tensor, "out_tensor is NULL");
         const Param &p = param_of(model, index);
+        require(p.trainable(), "parameter \"" + p.name + "\" is " +
+                                   (p.role == ParamRole::Buffer ? "a buffer" : "frozen") +
+                                   ": it has no gradient");
         // Inside a step callback the optimizer sees the gradients of its own step. Elsewhere the
         // view may be written through: the next step counts the parameter as having a gradient.
         const bool in_step = model->model->on_optimizer_thread();
@@ -120,16 +141,17 @@ rp_status rp_model_load(rp_model *model, const char *path) {
                 fail(ErrorKind::Io, std::string(path) + ": tensor \"" + name + "\" has shape " +
                                         c10::str(shape) + " but the model expects " +
                                         c10::str(master.sizes()));
-            if (!at::isFloatingType(type))
-                fail(ErrorKind::Io,
-                     std::string(path) + ": tensor \"" + name + "\" is not floating point");
+            if (at::isFloatingType(type) != at::isFloatingType(master.scalar_type()))
+                fail(ErrorKind::Io, std::string(path) + ": tensor \"" + name + "\" is " +
+                                        c10::toString(type) + " but the model holds " +
+                                        c10::toString(master.scalar_type()));
             return true;
         };
         std::vector<NamedTensor> file = read_safetensors(path, wanted);
         // Nothing changes unless every parameter loads.
         std::vector<at::Tensor> values(m.params().size());
         for (NamedTensor &nt : file)
-            values[m.params().find(nt.name)] = nt.tensor.to(at::kFloat);
+            values[m.params().find(nt.name)] = nt.tensor;
         for (size_t i = 0; i < values.size(); ++i)
             if (!values[i].defined())
                 fail(ErrorKind::Io, std::string(path) + ": missing tensor \"" +

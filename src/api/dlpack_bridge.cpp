@@ -116,6 +116,19 @@ at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what, bool a
     return at::fromDLPack(tensor);
 }
 
+at::Tensor adopt_dlpack_any(DLManagedTensor *tensor, const std::string &what, int gpus) {
+    require(tensor != nullptr, what + " is NULL");
+    try {
+        validate(tensor->dl_tensor, what, gpus);
+        any_scalar_type(tensor->dl_tensor.dtype, what);
+    } catch (...) {
+        if (tensor->deleter)
+            tensor->deleter(tensor);
+        throw;
+    }
+    return at::fromDLPack(tensor);
+}
+
 DLManagedTensor *export_dlpack(const at::Tensor &t) { return at::toDLPack(t); }
 
 } // namespace rp

@@ -19,6 +19,10 @@ at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what,
 at::Tensor adopt_dlpack(DLManagedTensor *tensor, const std::string &what,
                         bool allow_float64 = false);
 
+// Takes ownership of a tensor a caller-defined layer or device loss produced: any dtype libtorch
+// knows, contiguous, in host memory or on one of `gpus` GPUs. The deleter runs on failure too.
+at::Tensor adopt_dlpack_any(DLManagedTensor *tensor, const std::string &what, int gpus);
+
 // A new caller-owned DLPack reference to `t`.
 DLManagedTensor *export_dlpack(const at::Tensor &t);
 

@@ -8,6 +8,7 @@
 #include "api/roundpipe_internal.h"
 #include "engine/loss.h"
 #include "engine/model.h"
+#include "engine/caller_call.h"
 #include "engine/run_config.h"
 #include "hf/hf_model.h"
 
@@ -30,7 +31,18 @@ struct rp_loss {
     rp::LossKind kind = rp::LossKind::Output;
     double scale = 1.0;
     rp_loss_fn fn = nullptr;
+    rp_device_loss_fn device_fn = nullptr;
     void *user_data = nullptr;
+};
+
+struct rp_layer_def {
+    std::string type_name;
+    rp_layer_forward_fn forward = nullptr;
+    rp_layer_backward_fn backward = nullptr;
+    rp_layer_release_fn release = nullptr;
+    void *user_data = nullptr;
+    std::vector<rp::ParamSpec> params; // parameters and buffers, in declaration order
+    double cost = -1.0;                // < 0: the default estimate
 };
 
 struct rp_optimizer {
@@ -38,5 +50,22 @@ struct rp_optimizer {
 };
 
 struct rp_tensor_list {
-    std::vector<at::Tensor> tensors;
+    std::vector<at::Tensor> tensors; // undefined where NULL was pushed
+    // The first rp_tensor_list_push that failed validation: the engine reports it when it reads
+    // the list, so a callback that ignores the push status still fails with the reason.
+    std::string push_error;
+};
+
+// What a callback invocation sees through rp_layer_call_info / rp_layer_call_tensors. The DLPack
+// views of the parameters and buffers are made at the first request and die with the invocation.
+struct rp_layer_call {
+    const rp::CallerCall *call = nullptr;
+    mutable std::vector<DLManagedTensor *> params, buffers;
+    mutable bool exported = false;
+
+    rp_layer_call() = default;
+    rp_layer_call(const rp_layer_call &) = delete;
+    rp_layer_call &operator=(const rp_layer_call &) = delete;
+    ~rp_layer_call(); // api/caller_bridge.cpp
+    void export_tensors() const;
 };

@@ -6,6 +6,7 @@
 #include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime_api.h>
 
 namespace rp {
@@ -63,6 +64,10 @@ bool register_host_memory(void *ptr, int64_t bytes) {
 
 void unregister_host_memory(void *ptr) { cudaHostUnregister(ptr); }
 
+void *current_cuda_stream(int device) {
+    return at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
+
 } // namespace rp
 
 #else
@@ -74,6 +79,6 @@ void release_cached_gpu_memory() {}
 void limit_gpu_memory(int, int64_t) {}
 bool register_host_memory(void *, int64_t) { return false; }
 void unregister_host_memory(void *) {}
+void *current_cuda_stream(int) { return nullptr; }
 } // namespace rp
-
 #endif

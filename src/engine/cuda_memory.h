@@ -19,6 +19,9 @@ void reset_gpu_peak_memory(int device);
 void limit_gpu_memory(int device, int64_t bytes);
 // Returns cached blocks to the driver, e.g. after an out-of-memory failure.
 void release_cached_gpu_memory();
+// The stream current on this thread for `device` (a cudaStream_t): where caller-defined code
+// must launch its work. Null without CUDA.
+void *current_cuda_stream(int device);
 
 // Page-locks existing host memory (pin mode "register"); false when CUDA refuses.
 bool register_host_memory(void *ptr, int64_t bytes);

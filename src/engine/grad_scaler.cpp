@@ -17,6 +17,8 @@ int64_t GradScaler::skipped_steps() const {
 bool GradScaler::step_may_proceed(const std::vector<at::Tensor> &grads) {
     bool finite = true;
     for (const at::Tensor &g : grads) {
+        if (!g.defined()) // frozen parameters and buffers
+            continue;
         // inf and nan propagate through a sum, and a double sum of fp32 values cannot overflow:
         // one read of the gradient and no mask tensor the size of it.
         if (!std::isfinite(g.sum(at::kDouble).item<double>())) {

@@ -13,7 +13,12 @@ namespace rp {
 // Label value that marks a target to ignore (Hugging Face's and PyTorch's ignore_index).
 constexpr int64_t kIgnoreLabel = -100;
 
-enum class InitKind { Uniform, Normal, Ones, Zeros };
+enum class InitKind { Uniform, Normal, Ones, Zeros, Given };
+
+// What a layer's tensor is. Only trainable parameters get an fp32 master, gradients and optimizer
+// state; frozen parameters and buffers are held once, in their held dtype (the model dtype for
+// floating ones), and lent to the layer like any parameter.
+enum class ParamRole { Trainable, Frozen, Buffer };
 
 struct ParamSpec {
     ParamSpec(std::string name_, std::vector<int64_t> shape_, InitKind init_ = InitKind::Zeros,
@@ -29,7 +34,16 @@ struct ParamSpec {
     // "0.weight"); empty for a parameter of its own. A shared parameter has one master weight and
     // its gradient is the sum over every use.
     std::string tied_to;
+    ParamRole role = ParamRole::Trainable;
+    // InitKind::Given: the initial value (host memory); its dtype decides the held dtype of a
+    // non-floating frozen parameter or buffer.
+    at::Tensor initial;
 };
+
+// Which pass over a layer a call is: a forward stage (no gradient), the recompute of a backward
+// stage (gradient; buffers must not change), or the fused tail (forward with gradient, buffers
+// updated, backward follows).
+enum class Phase { Forward, Recompute, Tail };
 
 // Per-call, per-microbatch facts a layer may need.
 struct LayerContext {
@@ -42,6 +56,10 @@ struct LayerContext {
     // stage of a training call whose loss a last layer may fuse (the causal-LM loss, or a loss
     // that is the output itself); null elsewhere.
     const at::Tensor *labels = nullptr;
+    Phase phase = Phase::Forward;
+    size_t microbatch = 0;
+    size_t layer_index = 0;
+    at::Device device = at::Device(at::kCPU); // where this layer computes
 };
 
 class Layer {
@@ -69,6 +87,19 @@ class Layer {
     virtual at::Tensor forward(const std::vector<at::Tensor> &params, const at::Tensor &x,
                                const LayerContext &ctx) const = 0;
 
+    // Activations between layers are lists of tensors. A built-in layer reads tensor 0 and
+    // outputs one tensor; a caller-defined layer takes and gives any list.
+    virtual std::vector<at::Tensor> forward_list(const std::vector<at::Tensor> &params,
+                                                 const std::vector<at::Tensor> &inputs,
+                                                 const LayerContext &ctx) const {
+        return {forward(params, inputs.at(0), ctx)};
+    }
+    // As a first layer: whether it receives every input of the call (caller-defined layers) or
+    // only input 0, the others reaching it as side inputs (built-in layers).
+    virtual bool takes_all_call_inputs() const { return false; }
+    // Whether the engine can run it on an empty batch to check shapes before a call (false for
+    // caller-defined layers: their code is not ours to probe).
+    virtual bool shape_checkable() const { return true; }
     // Relative cost for the planner before any measurement: parameters dominate both compute
     // and transfer time for the layers we build, plus a constant for parameter-free layers.
     virtual double cost_estimate() const;
@@ -85,6 +116,13 @@ class Layer {
     // Integer labels of a loss this layer fuses must lie in [0, label_index_limit()) or be
     // kIgnoreLabel; 0: the layer fuses no such loss. Asked of a model's last layer.
     virtual int64_t label_index_limit() const { return 0; }
+
+    // Initial values given by the caller are copied into the parameter store; the layer need not
+    // keep a second copy.
+    void drop_initial_values() {
+        for (ParamSpec &spec : params_)
+            spec.initial = at::Tensor();
+    }
 
   protected:
     std::vector<ParamSpec> params_;

@@ -1,6 +1,7 @@
 #include "engine/loss.h"
 
 #include "base/error.h"
+#include "engine/cuda_memory.h"
 
 namespace rp {
 namespace {
@@ -55,6 +56,7 @@ void check_loss_inputs(const Loss &loss, const at::Tensor &output, const at::Ten
                     shape_str(output.sizes()));
         break;
     case LossKind::Callback:
+    case LossKind::DeviceCallback:
         break;
     }
 }
@@ -67,13 +69,64 @@ int64_t causal_lm_target_count(const at::Tensor &labels) {
     return labels.narrow(1, 1, labels.size(1) - 1).ne(-100).sum().item<int64_t>();
 }
 
-at::Tensor loss_backward(const Loss &loss, const at::Tensor &output, const at::Tensor &labels,
-                     int microbatch) {
+namespace {
+
+// The device callback's answer, checked: one gradient per output, of its shape; the loss one
+// element. Gradients in the output's device and dtype, times the loss scale.
+at::Tensor device_loss_backward(const Loss &loss, const std::vector<at::Tensor> &outputs,
+                                const at::Tensor &labels, const LossSite &site) {
+    CallerCall call;
+    call.phase = Phase::Tail;
+    call.device = site.device;
+    call.stream = site.device.is_cuda() ? current_cuda_stream(site.device.index()) : nullptr;
+    call.microbatch = static_cast<size_t>(site.microbatch);
+    call.training = true;
+    std::vector<at::Tensor> detached;
+    for (const at::Tensor &y : outputs)
+        detached.push_back(y.defined() ? y.detach() : y);
+    std::vector<at::Tensor> grads;
+    at::Tensor value = loss.device_callback(call, detached, labels, grads);
+    auto bad = [](const std::string &what) { fail(ErrorKind::Callback, "loss callback: " + what); };
+    if (!value.defined() || value.numel() != 1 || !at::isFloatingType(value.scalar_type()))
+        bad("the loss must be one floating-point element");
+    if (grads.size() != outputs.size())
+        bad("returned " + std::to_string(grads.size()) + " gradients for " +
+            std::to_string(outputs.size()) + " outputs");
+    std::vector<at::Tensor> roots, seeds;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+        if (!grads[i].defined())
+            continue;
+        if (grads[i].sizes() != outputs[i].sizes())
+            bad("the gradient of output " + std::to_string(i) + " has shape " +
+                shape_str(grads[i].sizes()) + ", the output " + shape_str(outputs[i].sizes()));
+        if (!at::isFloatingType(grads[i].scalar_type()))
+            bad("the gradient of output " + std::to_string(i) + " is not floating point");
+        if (!outputs[i].requires_grad())
+            continue;
+        roots.push_back(outputs[i]);
+        seeds.push_back(grads[i].to(outputs[i].device(), outputs[i].scalar_type()) * loss.scale);
+    }
+    if (!roots.empty())
+        torch::autograd::backward(roots, seeds);
+    return (value.detach().reshape({}).to(site.device, at::kDouble) * loss.scale);
+}
+
+} // namespace
+
+at::Tensor loss_backward(const Loss &loss, const std::vector<at::Tensor> &outputs,
+                         const at::Tensor &labels, const LossSite &site) {
+    if (loss.kind == LossKind::DeviceCallback)
+        return device_loss_backward(loss, outputs, labels, site);
+    require(!outputs.empty() && outputs[0].defined(), "the model gave no output for the loss");
+    const at::Tensor &output = outputs[0];
     if (loss.kind == LossKind::Callback) {
+        require(outputs.size() == 1,
+                "a host loss callback takes one model output; this model gives " +
+                    std::to_string(outputs.size()) + " (use a device loss callback)");
         at::Tensor out_cpu = output.detach().to(at::kCPU, at::kFloat).contiguous();
         at::Tensor grad;
         at::Tensor labels_cpu = labels.defined() ? labels.to(at::kCPU) : labels;
-        double value = loss.callback(out_cpu, labels_cpu, microbatch, grad);
+        double value = loss.callback(out_cpu, labels_cpu, site.microbatch, grad);
         require(grad.defined() && grad.sizes() == output.sizes(),
                 "loss callback returned a gradient of shape " +
                     (grad.defined() ? shape_str(grad.sizes()) : std::string("(none)")) +
@@ -99,6 +152,7 @@ at::Tensor loss_backward(const Loss &loss, const at::Tensor &output, const at::T
         value = at::cross_entropy_loss(out, labels.to(out.device()));
         break;
     case LossKind::Callback:
+    case LossKind::DeviceCallback:
         break;
     }
     value = value * loss.scale;

@@ -51,6 +51,8 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
       scaler_(o.grad_scale >= 0 ? o.grad_scale : (o.model_dtype == at::kHalf ? 65536.0 : 0.0),
               o.grad_scale_growth_interval) {
     explicit_plan_ = o.stage_plan;
+    for (auto &layer : layers_)
+        layer->drop_initial_values();
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;
         if (gpu_memory_cap_ == 0) {
@@ -208,15 +210,34 @@ static Loss normalised_causal_lm(Loss loss, const at::Tensor &labels, const at::
     return loss;
 }
 
-std::vector<at::Tensor> Model::finish_outputs(std::vector<at::Tensor> outputs, bool merge,
+std::vector<at::Tensor> Model::finish_outputs(std::vector<std::vector<at::Tensor>> per_mb,
+                                              bool merge,
                                               const std::vector<at::Tensor> &inputs) const {
-    if (merge)
-        outputs = {merge_outputs(outputs)};
+    // Merged: output k of every microbatch joined into one tensor, in output order. Otherwise
+    // microbatch-major: every output of microbatch 0, then of microbatch 1, ...
+    std::vector<at::Tensor> outputs;
+    if (merge) {
+        const size_t n = per_mb.empty() ? 0 : per_mb.front().size();
+        for (size_t k = 0; k < n; ++k) {
+            std::vector<at::Tensor> pieces;
+            for (const auto &mb : per_mb) {
+                require(mb.size() == n && mb[k].defined(),
+                        "the microbatches gave different numbers of outputs; merging needs the "
+                        "same structure from each (turn merging off)");
+                pieces.push_back(mb[k]);
+            }
+            outputs.push_back(merge_outputs(pieces));
+        }
+    } else {
+        for (auto &mb : per_mb)
+            for (at::Tensor &t : mb)
+                outputs.push_back(std::move(t));
+    }
     // Outputs are the caller's to keep: never views of the borrowed inputs (a reshape-only
     // model returns them).
     for (at::Tensor &t : outputs)
         for (const at::Tensor &in : inputs)
-            if (t.storage().is_alias_of(in.storage())) {
+            if (t.defined() && t.storage().is_alias_of(in.storage())) {
                 t = t.clone();
                 break;
             }
@@ -421,7 +442,8 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
             std::vector<at::Tensor> params, lives;
             for (size_t i = 0; i < store_.size(); ++i) {
                 const Param &p = store_.at(i);
-                params.push_back(p.master);
+                // Frozen parameters and buffers: no state, never updated (undefined).
+                params.push_back(p.trainable() ? p.master : at::Tensor());
                 // Saving mode: bf16 weight copies are refreshed inside the update's own pass.
                 const bool fuse = store_.saving() && p.live.scalar_type() == at::kBFloat16;
                 lives.push_back(fuse ? p.live : at::Tensor());

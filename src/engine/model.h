@@ -111,7 +111,8 @@ class Model {
   private:
     void check_output_device(const at::Device &d) const;
     void check_index_ranges(const std::vector<at::Tensor> &inputs, const at::Tensor &labels) const;
-    std::vector<at::Tensor> finish_outputs(std::vector<at::Tensor> outputs, bool merge,
+    std::vector<at::Tensor> finish_outputs(std::vector<std::vector<at::Tensor>> per_mb,
+                                           bool merge,
                                            const std::vector<at::Tensor> &inputs) const;
     void publish_completed_step();
     std::vector<at::Tensor> step_grads() const;

@@ -27,6 +27,9 @@ void initialise(at::Tensor &t, const ParamSpec &spec, at::Generator &gen) {
     case InitKind::Zeros:
         t.zero_();
         return;
+    case InitKind::Given:
+        t.copy_(spec.initial);
+        return;
     }
 }
 
@@ -113,6 +116,20 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
             Param p;
             p.name = std::to_string(l) + "." + spec.name;
             p.layer = l;
+            p.role = spec.role;
+            if (!p.trainable()) {
+                // Held once: floating values in the model dtype (a frozen bf16 weight costs 2
+                // bytes), others (counters, indices) as given.
+                const bool floating =
+                    !spec.initial.defined() || at::isFloatingType(spec.initial.scalar_type());
+                p.master = at::empty(spec.shape, host.dtype(floating ? model_dtype
+                                                                     : spec.initial.scalar_type()));
+                p.live = p.master;
+                owned[l].emplace_back(params_.size(), &spec);
+                by_layer_[l].push_back(params_.size());
+                params_.push_back(std::move(p));
+                continue;
+            }
             p.master = at::empty(spec.shape,
                                  live_is_master ? host : at::TensorOptions().dtype(at::kFloat));
             p.live = live_is_master ? p.master : at::empty(spec.shape, host);
@@ -169,7 +186,8 @@ int64_t ParamStore::find(const std::string &name) const {
 
 void ParamStore::zero_grads() {
     for (Param &p : params_)
-        p.grad.zero_();
+        if (p.grad.defined())
+            p.grad.zero_();
 }
 
 void ParamStore::swap_grads() {
@@ -179,17 +197,20 @@ void ParamStore::swap_grads() {
 
 void ParamStore::zero_step_grads() {
     for (Param &p : params_)
-        p.step_grad.zero_();
+        if (p.step_grad.defined())
+            p.step_grad.zero_();
 }
 
 void ParamStore::stage_from_master() {
     for (Param &p : params_)
-        p.staged.copy_(p.master);
+        if (p.staged.defined())
+            p.staged.copy_(p.master);
 }
 
 void ParamStore::publish_staged() {
     for (Param &p : params_)
-        std::swap(p.live, p.staged);
+        if (p.staged.defined())
+            std::swap(p.live, p.staged);
 }
 
 void ParamStore::copy_master_to_weights(Param &p) {
@@ -201,7 +222,8 @@ void ParamStore::copy_master_to_weights(Param &p) {
 
 void ParamStore::finish_step(size_t i) {
     copy_master_to_weights(params_[i]); // saving mode: no staged copy
-    params_[i].grad.zero_();
+    if (params_[i].grad.defined())
+        params_[i].grad.zero_();
 }
 
 void ParamStore::refresh_live_from_master() {

@@ -32,7 +32,11 @@ enum class HostMemoryMode { Standard, Saving };
 struct Param {
     std::string name;
     size_t layer;
+    ParamRole role = ParamRole::Trainable;
+    // Frozen parameters and buffers: `master` is the held value and `live` the same tensor;
+    // `staged`, `grad` and `step_grad` stay undefined.
     at::Tensor master, live, staged, grad, step_grad;
+    bool trainable() const { return role == ParamRole::Trainable; }
 };
 
 class ParamStore {

@@ -34,7 +34,7 @@ void Pipeline::run(CallContext &ctx) {
     CallState state(num_jobs, M);
     ctx.state = &state;
     ctx.stage_inputs.assign(S, std::vector<Transfer>(M));
-    ctx.outputs.assign(M, at::Tensor());
+    ctx.outputs.assign(M, {});
     ctx.losses.assign(M, at::Tensor());
 
     const size_t G = workers_.size();

@@ -6,10 +6,12 @@
 namespace rp {
 namespace {
 
-// A stage's weights on the device, as autograd leaves when gradients are wanted.
+// A stage's weights on the device, as autograd leaves when gradients are wanted (frozen
+// parameters and buffers never want one).
 struct StageWeights {
     std::vector<std::vector<at::Tensor>> per_layer;
     std::vector<std::pair<size_t, at::Tensor>> leaves; // (param index, tensor)
+    std::vector<std::pair<size_t, at::Tensor>> buffers; // (param index, device tensor)
 };
 
 StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Transfer &uploaded,
@@ -19,13 +21,21 @@ StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Trans
     for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
         std::vector<at::Tensor> params;
         for (size_t pi : ctx.store.layer_params(l)) {
+            const Param &p = ctx.store.at(pi);
             // detach(): a fresh tensor object even when no copy happened (CPU devices), so
-            // autograd flags never touch the store's tensors.
-            at::Tensor t = uploaded.tensors[next++].detach();
-            if (requires_grad)
-                t.requires_grad_(true);
+            // autograd flags never touch the store's tensors. Buffers stay the uploaded tensor
+            // itself: layers update them in place.
+            at::Tensor t = uploaded.tensors[next++];
+            if (p.role == ParamRole::Buffer) {
+                w.buffers.emplace_back(pi, t);
+            } else {
+                t = t.detach();
+                if (requires_grad && p.trainable()) {
+                    t.requires_grad_(true);
+                    w.leaves.emplace_back(pi, t);
+                }
+            }
             params.push_back(t);
-            w.leaves.emplace_back(pi, t);
         }
         w.per_layer.push_back(std::move(params));
     }
@@ -60,20 +70,46 @@ void download_grads(CallContext &ctx, const StageWeights &w, DeviceLane &lane, s
     ctx.gradients->add(std::move(out), std::move(host_check), std::move(host), lane);
 }
 
-// A host tensor (ready after `ready`) on the device, in the compute dtype, as a fresh leaf.
-at::Tensor to_device(DeviceLane &lane, const Transfer &host, size_t job, at::ScalarType dtype) {
+// Buffers a forward or tail job updated on the device go back to host memory before the job
+// ends (on CPU devices the layers wrote the host copy itself).
+void write_back_buffers(CallContext &ctx, const StageWeights &w, DeviceLane &lane, size_t job) {
+    std::vector<size_t> index;
+    std::vector<at::Tensor> device;
+    for (const auto &[pi, t] : w.buffers)
+        if (!t.is_same(ctx.store.at(pi).live)) {
+            index.push_back(pi);
+            device.push_back(t);
+        }
+    if (device.empty())
+        return;
+    Transfer host = lane.download(device, job);
+    lane.wait(host);
+    for (size_t i = 0; i < index.size(); ++i)
+        ctx.store.at(index[i]).live.copy_(host.tensors[i]);
+}
+
+// A host activation (ready after `ready`) on the device: floating tensors in the compute dtype,
+// each a fresh leaf.
+std::vector<at::Tensor> to_device(DeviceLane &lane, const Transfer &host, size_t job,
+                                  at::ScalarType dtype) {
     Transfer d = lane.upload(host, job);
     lane.use(d);
-    at::Tensor x = d.tensors[0];
-    if (!x.defined())
-        return x;
-    at::ScalarType target = at::isFloatingType(x.scalar_type()) ? dtype : x.scalar_type();
-    return x.to(target).detach();
+    std::vector<at::Tensor> xs;
+    for (const at::Tensor &x : d.tensors) {
+        if (!x.defined()) {
+            xs.push_back(x);
+            continue;
+        }
+        at::ScalarType target = at::isFloatingType(x.scalar_type()) ? dtype : x.scalar_type();
+        xs.push_back(x.to(target).detach());
+    }
+    return xs;
 }
 
 // What travels with microbatch m besides the activation, on the job's device.
 struct MicrobatchExtras {
     size_t microbatch = 0;
+    at::Device device = at::Device(at::kCPU);
     std::vector<at::Tensor> side_inputs;
     at::Tensor labels; // tail stage of a training call only
 };
@@ -82,6 +118,7 @@ MicrobatchExtras extras_for(const CallContext &ctx, size_t m, DeviceLane &lane, 
                             bool tail) {
     MicrobatchExtras e;
     e.microbatch = m;
+    e.device = lane.device();
     const std::vector<at::Tensor> &inputs = ctx.microbatches.inputs[m];
     Transfer host;
     for (size_t i = 1; i < inputs.size(); ++i)
@@ -98,7 +135,8 @@ MicrobatchExtras extras_for(const CallContext &ctx, size_t m, DeviceLane &lane, 
     return e;
 }
 
-LayerContext layer_context(const CallContext &ctx, size_t layer, const MicrobatchExtras &e) {
+LayerContext layer_context(const CallContext &ctx, size_t layer, const MicrobatchExtras &e,
+                           Phase phase) {
     LayerContext lc;
     lc.training = ctx.training;
     lc.dropout_seed = dropout_seed(ctx.seed, ctx.call_index, layer, e.microbatch);
@@ -108,46 +146,80 @@ LayerContext layer_context(const CallContext &ctx, size_t layer, const Microbatc
     const bool fusable = ctx.loss && (ctx.loss->kind == LossKind::CausalLm ||
                                       ctx.loss->kind == LossKind::Output);
     lc.labels = fusable && e.labels.defined() ? &e.labels : nullptr;
+    lc.phase = phase;
+    lc.microbatch = e.microbatch;
+    lc.layer_index = layer;
+    lc.device = e.device;
     return lc;
 }
 
-at::Tensor run_layer(const CallContext &ctx, const StageWeights &w, const Stage &stage, size_t l,
-                     const at::Tensor &x, const MicrobatchExtras &e) {
-    return ctx.layers[l]->forward(w.per_layer[l - stage.first_layer], x, layer_context(ctx, l, e));
+using Activation = std::vector<at::Tensor>;
+
+Activation run_layer(const CallContext &ctx, const StageWeights &w, const Stage &stage, size_t l,
+                     const Activation &x, const MicrobatchExtras &e, Phase phase) {
+    return ctx.layers[l]->forward_list(w.per_layer[l - stage.first_layer], x,
+                                       layer_context(ctx, l, e, phase));
 }
 
-at::Tensor run_stage(const CallContext &ctx, const StageWeights &w, const Stage &stage,
-                     at::Tensor x, const MicrobatchExtras &e) {
+Activation run_stage(const CallContext &ctx, const StageWeights &w, const Stage &stage,
+                     Activation x, const MicrobatchExtras &e, Phase phase) {
     for (size_t l = stage.first_layer; l < stage.end_layer; ++l)
-        x = run_layer(ctx, w, stage, l, x, e);
+        x = run_layer(ctx, w, stage, l, x, e, phase);
     return x;
 }
 
-// Input of stage `stage` for microbatch m: the call's input for the first stage, else the
-// previous job's result.
+// Input of stage `stage` for microbatch m: the call's input for the first stage (every input
+// for a first layer that takes them all, else input 0), else the previous job's result.
 Transfer stage_input(CallContext &ctx, size_t job, size_t stage, size_t m) {
-    if (stage == 0)
-        return {{ctx.microbatches.inputs[m][0]}, nullptr};
+    if (stage == 0) {
+        const std::vector<at::Tensor> &inputs = ctx.microbatches.inputs[m];
+        if (ctx.layers.front()->takes_all_call_inputs())
+            return {inputs, nullptr};
+        return {{inputs[0]}, nullptr};
+    }
     return ctx.state->take(job - 1, m);
 }
 
-void maybe_require_grad(at::Tensor &x, bool wanted) {
-    if (wanted && x.defined() && at::isFloatingType(x.scalar_type()))
-        x.requires_grad_(true);
+void maybe_require_grad(Activation &xs, bool wanted) {
+    for (at::Tensor &x : xs)
+        if (wanted && x.defined() && at::isFloatingType(x.scalar_type()))
+            x.requires_grad_(true);
 }
 
-at::Tensor grad_of(const at::Tensor &x) { return x.requires_grad() ? x.grad() : at::Tensor(); }
-
-void backward_if_needed(const at::Tensor &y, const at::Tensor &grad) {
-    if (y.requires_grad() && grad.defined())
-        torch::autograd::backward({y}, {grad});
+Activation grads_of(const Activation &xs) {
+    Activation g;
+    for (const at::Tensor &x : xs)
+        g.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
+    return g;
 }
 
-at::Tensor to_output_device(const CallContext &ctx, DeviceLane &lane, const at::Tensor &y,
-                            size_t job) {
+Activation detached(const Activation &xs) {
+    Activation out;
+    for (const at::Tensor &x : xs)
+        out.push_back(x.defined() ? x.detach() : x);
+    return out;
+}
+
+// Back-propagates from every output that has a graph and a gradient.
+void backward_if_needed(const Activation &ys, const Activation &grads) {
+    std::vector<at::Tensor> roots, seeds;
+    for (size_t i = 0; i < ys.size() && i < grads.size(); ++i)
+        if (ys[i].defined() && ys[i].requires_grad() && grads[i].defined()) {
+            roots.push_back(ys[i]);
+            seeds.push_back(grads[i]);
+        }
+    if (!roots.empty())
+        torch::autograd::backward(roots, seeds);
+}
+
+std::vector<at::Tensor> to_output_device(const CallContext &ctx, DeviceLane &lane,
+                                         const Activation &ys, size_t job) {
     if (ctx.output_device.is_cpu())
-        return lane.download({y}, job).tensors[0];
-    return y.to(ctx.output_device, /*non_blocking=*/true);
+        return lane.download(ys, job).tensors;
+    std::vector<at::Tensor> out;
+    for (const at::Tensor &y : ys)
+        out.push_back(y.to(ctx.output_device, /*non_blocking=*/true));
+    return out;
 }
 
 void run_forward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const StageWeights &w) {
@@ -158,15 +230,15 @@ void run_forward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const
         Transfer in = stage_input(ctx, job, s, m);
         if (ctx.training)
             ctx.stage_inputs[s][m] = in;
-        at::Tensor x = to_device(lane, in, job, ctx.store.model_dtype());
+        Activation x = to_device(lane, in, job, ctx.store.model_dtype());
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
         lane.compute_begin(job);
-        at::Tensor y = run_stage(ctx, w, stage, x, extras);
+        Activation y = run_stage(ctx, w, stage, x, extras, Phase::Forward);
         lane.compute_end(job);
         if (last)
             ctx.outputs[m] = to_output_device(ctx, lane, y, job);
         else
-            ctx.state->put(job, m, lane.download({y}, job));
+            ctx.state->put(job, m, lane.download(y, job));
     }
 }
 
@@ -174,16 +246,17 @@ void run_tail(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const St
     const Stage &stage = ctx.stages[s];
     at::AutoGradMode grad_mode(true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
-        at::Tensor x = to_device(lane, stage_input(ctx, job, s, m), job, ctx.store.model_dtype());
+        Activation x = to_device(lane, stage_input(ctx, job, s, m), job, ctx.store.model_dtype());
         maybe_require_grad(x, s > 0);
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, true);
         lane.compute_begin(job);
-        at::Tensor y = run_stage(ctx, w, stage, x, extras);
+        Activation y = run_stage(ctx, w, stage, x, extras, Phase::Tail);
         if (ctx.keep_outputs)
-            ctx.outputs[m] = to_output_device(ctx, lane, y.detach(), job);
-        ctx.losses[m] = loss_backward(*ctx.loss, y, extras.labels, static_cast<int>(m));
+            ctx.outputs[m] = to_output_device(ctx, lane, detached(y), job);
+        LossSite site{lane.device(), static_cast<int>(m)};
+        ctx.losses[m] = loss_backward(*ctx.loss, y, extras.labels, site);
         lane.compute_end(job);
-        ctx.state->put(job, m, lane.download({grad_of(x)}, job));
+        ctx.state->put(job, m, lane.download(grads_of(x), job));
     }
 }
 
@@ -191,40 +264,40 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
     const Stage &stage = ctx.stages[s];
     at::AutoGradMode grad_mode(true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
-        at::Tensor g = to_device(lane, ctx.state->take(job - 1, m), job, ctx.store.model_dtype());
-        at::Tensor x = to_device(lane, ctx.stage_inputs[s][m], job, ctx.store.model_dtype());
+        Activation g = to_device(lane, ctx.state->take(job - 1, m), job, ctx.store.model_dtype());
+        Activation x = to_device(lane, ctx.stage_inputs[s][m], job, ctx.store.model_dtype());
         ctx.stage_inputs[s][m] = Transfer(); // recompute input no longer needed: free it
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
         lane.compute_begin(job);
         if (ctx.grain == RecomputeGrain::Stage) {
             maybe_require_grad(x, s > 0);
-            at::Tensor y = run_stage(ctx, w, stage, x, extras);
+            Activation y = run_stage(ctx, w, stage, x, extras, Phase::Recompute);
             backward_if_needed(y, g);
-            g = grad_of(x);
+            g = grads_of(x);
         } else {
             // Layer grain: a gradient-free pass keeps only each layer's input, then each layer is
             // recomputed and back-propagated alone, so one layer's activations live at a time.
-            std::vector<at::Tensor> layer_inputs;
+            std::vector<Activation> layer_inputs;
             {
                 at::NoGradGuard no_grad;
-                at::Tensor h = x;
+                Activation h = x;
                 for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
                     layer_inputs.push_back(h);
                     if (l + 1 < stage.end_layer)
-                        h = run_layer(ctx, w, stage, l, h, extras);
+                        h = run_layer(ctx, w, stage, l, h, extras, Phase::Recompute);
                 }
             }
             for (size_t l = stage.end_layer; l-- > stage.first_layer;) {
-                at::Tensor xi = layer_inputs[l - stage.first_layer].detach();
-                layer_inputs[l - stage.first_layer] = at::Tensor();
+                Activation xi = detached(layer_inputs[l - stage.first_layer]);
+                layer_inputs[l - stage.first_layer].clear();
                 maybe_require_grad(xi, l > stage.first_layer || s > 0);
-                at::Tensor y = run_layer(ctx, w, stage, l, xi, extras);
+                Activation y = run_layer(ctx, w, stage, l, xi, extras, Phase::Recompute);
                 backward_if_needed(y, g);
-                g = grad_of(xi);
+                g = grads_of(xi);
             }
         }
         lane.compute_end(job);
-        ctx.state->put(job, m, lane.download({g}, job));
+        ctx.state->put(job, m, lane.download(g, job));
     }
 }
 
@@ -263,9 +336,11 @@ void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceL
     switch (kind) {
     case JobKind::Forward:
         run_forward(ctx, job, s, lane, w);
+        write_back_buffers(ctx, w, lane, job);
         return;
     case JobKind::Tail:
         run_tail(ctx, job, s, lane, w);
+        write_back_buffers(ctx, w, lane, job);
         break;
     case JobKind::Backward:
         run_backward(ctx, job, s, lane, w);
@@ -294,6 +369,10 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
     LayerContext lc; // evaluation mode: shapes do not depend on dropout
     lc.side_inputs = &side;
     for (size_t l = 0; l < layers.size(); ++l) {
+        // A caller-defined layer's code is not ours to run on an empty batch: the check stops
+        // there, and its own errors surface during the call.
+        if (!layers[l]->shape_checkable())
+            return;
         std::vector<at::Tensor> params;
         for (size_t pi : store.layer_params(l))
             params.push_back(store.at(pi).live);

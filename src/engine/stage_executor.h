@@ -46,7 +46,7 @@ struct CallContext {
 
     // Written by the jobs; read by the caller once every lane has finished.
     std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
-    std::vector<at::Tensor> outputs;                 // [mb], on the output device
+    std::vector<std::vector<at::Tensor>> outputs;    // [mb][output], on the output device
     std::vector<at::Tensor> losses;                  // [mb], 0-d
     GradAccumulator *gradients = nullptr; // receives each training job's downloaded gradients
 

@@ -229,7 +229,9 @@ std::unique_ptr<Layer> build_layer(const std::string &type, LayerArgs &a) {
 
 } // namespace
 
-std::vector<std::unique_ptr<Layer>> parse_model_spec(const std::string &json_text) {
+std::vector<std::unique_ptr<Layer>> parse_model_spec(const std::string &json_text,
+                                                     const CallerLayerSource &caller_layer,
+                                                     size_t num_caller_layers) {
     json root;
     try {
         root = json::parse(json_text);
@@ -245,6 +247,7 @@ std::vector<std::unique_ptr<Layer>> parse_model_spec(const std::string &json_tex
     require(!layers.empty(), "model spec: \"layers\" is empty");
 
     std::vector<std::unique_ptr<Layer>> out;
+    std::vector<bool> used(num_caller_layers, false);
     for (size_t i = 0; i < layers.size(); ++i) {
         const json &entry = layers[i];
         std::string prefix = "layer " + std::to_string(i);
@@ -253,10 +256,26 @@ std::vector<std::unique_ptr<Layer>> parse_model_spec(const std::string &json_tex
                 prefix + ": missing \"type\" (a string)");
         std::string type = entry["type"].get<std::string>();
         LayerArgs args(entry, i, type);
-        std::unique_ptr<Layer> layer = build_layer(type, args);
+        std::unique_ptr<Layer> layer;
+        if (type == "caller") {
+            // {"type": "caller", "def": k}: the caller's k-th declared layer, used once.
+            int64_t k = args.integer("def", -1);
+            if (k < 0 || static_cast<size_t>(k) >= num_caller_layers)
+                args.error("\"def\" must be an index in [0, " +
+                           std::to_string(num_caller_layers) + ") of the declared layers");
+            if (used[static_cast<size_t>(k)])
+                args.error("def " + std::to_string(k) + " is used by two entries");
+            used[static_cast<size_t>(k)] = true;
+            layer = caller_layer(static_cast<size_t>(k));
+        } else {
+            layer = build_layer(type, args);
+        }
         args.finish();
         out.push_back(std::move(layer));
     }
+    for (size_t k = 0; k < num_caller_layers; ++k)
+        require(used[k], "model spec: declared layer " + std::to_string(k) +
+                             " is not used by any {\"type\": \"caller\"} entry");
     return out;
 }
 

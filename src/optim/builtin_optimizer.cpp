@@ -8,8 +8,9 @@ namespace {
 
 std::vector<at::Tensor> zeros_like_all(const std::vector<at::Tensor> &params, bool bf16) {
     std::vector<at::Tensor> out;
-    for (const at::Tensor &p : params)
-        out.push_back(at::zeros_like(p, bf16 ? at::kBFloat16 : at::kFloat));
+    for (const at::Tensor &p : params) // undefined (a frozen parameter): no state
+        out.push_back(p.defined() ? at::zeros_like(p, bf16 ? at::kBFloat16 : at::kFloat)
+                                  : at::Tensor());
     return out;
 }
 
@@ -37,6 +38,8 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
     std::vector<bool> update(params.size(), true);
     for (size_t i = 0; i < has_grad.size() && i < params.size(); ++i)
         update[i] = has_grad[i] != 0;
+    for (size_t i = 0; i < params.size(); ++i)
+        update[i] = update[i] && params[i].defined(); // frozen parameters and buffers
     for (size_t i = 0; i < params.size(); ++i)
         steps_[i] += update[i] ? 1 : 0;
     if (kind_ == OptimizerKind::AdamW)
@@ -108,7 +111,8 @@ void BuiltinOptimizer::count_state() {
     int64_t bytes = 0;
     for (const auto *state : {&first_moment_, &second_moment_})
         for (const at::Tensor &t : *state)
-            bytes += static_cast<int64_t>(t.nbytes());
+            if (t.defined())
+                bytes += static_cast<int64_t>(t.nbytes());
     state_bytes_ = bytes;
 }
 
