@@ -969,7 +969,7 @@ static void test_bad_declarations(void **state) {
            RP_ERR_INVALID_ARGUMENT, "def");
     const char *unused = "{\"layers\": [{\"type\": \"linear\", \"in\": 3, \"out\": 3}]}";
     TS_ERR(rp_model_create_with_layers(&m, unused, (const rp_layer_def *const *)&def, 1, NULL),
-           RP_ERR_INVALID_ARGUMENT, "def");
+           RP_ERR_INVALID_ARGUMENT, "def|declared layer", "not used|unused");
     assert_null(m);
     rp_layer_def_destroy(def);
 }
