@@ -41,6 +41,7 @@
 
 mod config;
 mod error;
+mod layer;
 mod log;
 mod loss;
 mod model;
@@ -57,6 +58,7 @@ pub use config::{
     DeviceKind, FloatType, HostMemoryMode, ModelOptions, PinMode, RecomputeGrain, RunConfig, Split,
 };
 pub use error::{Error, Result, Status};
+pub use layer::{Context, LayerCall, LayerDef, LayerGrads, LayerOutput, ParamKind, Phase};
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use loss::{Loss, LossFn, LossInput, LossKind};
 pub use model::{HostStateBytes, Model, StepContext};

@@ -5,12 +5,13 @@ use std::os::raw::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::ptr::{self, NonNull};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use roundpipe_sys as sys;
 
 use crate::config::{ModelOptions, RunConfig};
 use crate::error::{c_string, check, Error, Result, Status};
+use crate::layer::{LayerDef, LayerState, ParamKind};
 use crate::loss::{panic_message, Loss};
 use crate::optim::Optimizer;
 use crate::tensor::{borrowed_managed, AsDlpack, DlTensor};
@@ -27,6 +28,9 @@ pub struct Model {
     // each one's address is a callback's user_data and must not move when the Vec grows.
     #[allow(clippy::vec_box)]
     pending_steps: Vec<Box<StepState>>,
+    // The closures of the model's caller-defined layers: their addresses are the layers'
+    // user_data, so they live as long as the model (dropped after rp_model_destroy).
+    layers: Vec<Arc<LayerState>>,
 }
 
 // SAFETY: the library allows a model to be driven from any one thread at a time.
@@ -217,7 +221,54 @@ impl Model {
         Ok(Model {
             ptr,
             pending_steps: Vec::new(),
+            layers: Vec::new(),
         })
+    }
+
+    /// Build a model that mixes built-in layers and the caller-defined `layers`: in the spec,
+    /// `{"type": "caller", "def": i}` is `layers[i]`, and each is used exactly once.
+    pub fn with_layers(
+        spec_json: &str,
+        layers: Vec<LayerDef>,
+        options: Option<&ModelOptions>,
+    ) -> Result<Model> {
+        crate::ensure_abi()?;
+        let spec =
+            CString::new(spec_json).map_err(|_| Error::invalid("spec contains a NUL byte"))?;
+        let defs: Vec<*const sys::rp_layer_def> = layers.iter().map(|l| l.as_ptr()).collect();
+        let mut p = ptr::null_mut();
+        let opts = options.map_or(ptr::null(), |o| o.as_ptr());
+        // SAFETY: the defs are borrowed for the call (the model copies them); the closures
+        // they point at are kept below for the model's lifetime.
+        check(unsafe {
+            sys::rp_model_create_with_layers(&mut p, spec.as_ptr(), defs.as_ptr(), defs.len(), opts)
+        })?;
+        let ptr = NonNull::new(p).ok_or_else(|| {
+            Error::new(
+                Status::Internal,
+                "rp_model_create_with_layers returned NULL",
+            )
+        })?;
+        Ok(Model {
+            ptr,
+            pending_steps: Vec::new(),
+            layers: layers.iter().map(|l| l.state()).collect(),
+        })
+    }
+
+    /// A failed call's error, with the messages of caller-defined layers that failed in it.
+    fn with_layer_details(&self, e: Error) -> Error {
+        if e.status() != Status::Callback {
+            return e;
+        }
+        let details: Vec<String> = self.layers.iter().filter_map(|l| l.take_error()).collect();
+        e.with_detail(&details.join("; "))
+    }
+
+    fn clear_layer_errors(&self) {
+        for l in &self.layers {
+            l.take_error();
+        }
     }
 
     /// The raw handle, for calls of `roundpipe-sys` this crate does not wrap.
@@ -317,6 +368,7 @@ impl Model {
         let ptrs: Vec<*const sys::DLManagedTensor> =
             managed.iter().map(|m| m as *const _).collect();
         let mut list = ptr::null_mut();
+        self.clear_layer_errors();
         // SAFETY: the inputs are borrowed for the call and outlive it.
         check(unsafe {
             sys::rp_forward(
@@ -326,7 +378,8 @@ impl Model {
                 ptrs.len(),
                 config.map_or(ptr::null(), |c| c.as_ptr()),
             )
-        })?;
+        })
+        .map_err(|e| self.with_layer_details(e))?;
         take_list(list)
     }
 
@@ -373,6 +426,7 @@ impl Model {
         if let Some(state) = loss.and_then(|l| l.state()) {
             state.take_error();
         }
+        self.clear_layer_errors();
         let mut value = 0.0f64;
         let mut list = ptr::null_mut();
         // SAFETY: everything is borrowed for the call and outlives it.
@@ -396,7 +450,7 @@ impl Model {
             let detail = loss.and_then(|l| l.state()).and_then(|s| s.take_error());
             return Err(match detail {
                 Some(d) if e.status() == Status::Callback => e.with_detail(&d),
-                _ => e,
+                _ => self.with_layer_details(e),
             });
         }
         let outputs = if want_outputs && !list.is_null() {
@@ -523,6 +577,14 @@ impl Model {
         let mut i = 0usize;
         check(unsafe { sys::rp_param_find(&mut i, self.ptr.as_ptr(), c.as_ptr()) })?;
         Ok(i)
+    }
+
+    /// What parameter `index` is: trainable, frozen, or a buffer (the last two exist only in
+    /// caller-defined layers; they have no gradient and no optimizer state).
+    pub fn param_kind(&self, index: usize) -> Result<ParamKind> {
+        let mut kind = 0i32;
+        check(unsafe { sys::rp_param_kind_of(&mut kind, self.ptr.as_ptr(), index) })?;
+        ParamKind::from_code(kind)
     }
 
     /// Shape of parameter `index`.

@@ -426,7 +426,7 @@ impl<'a> TensorView<'a> {
         true
     }
 
-    fn data_ptr<T: Element>(&self) -> Result<*mut T> {
+    pub(crate) fn data_ptr<T: Element>(&self) -> Result<*mut T> {
         let dtype = self.dtype().ok_or_else(|| {
             Error::invalid(format!("unsupported DLPack dtype {:?}", self.t.dtype))
         })?;
