@@ -456,8 +456,10 @@ extern "C" {
     ) -> rp_status;
     pub fn rp_tensor_list_destroy(list: *mut rp_tensor_list);
     pub fn rp_tensor_list_create(out_list: *mut *mut rp_tensor_list) -> rp_status;
-    pub fn rp_tensor_list_push(list: *mut rp_tensor_list, tensor: *mut DLManagedTensor)
-        -> rp_status;
+    pub fn rp_tensor_list_push(
+        list: *mut rp_tensor_list,
+        tensor: *mut DLManagedTensor,
+    ) -> rp_status;
 
     // Caller-defined layers
     pub fn rp_layer_def_create(
@@ -586,8 +588,7 @@ extern "C" {
         model: *const rp_model,
         index: usize,
     ) -> rp_status;
-    pub fn rp_param_kind_of(out_kind: *mut i32, model: *const rp_model, index: usize)
-        -> rp_status;
+    pub fn rp_param_kind_of(out_kind: *mut i32, model: *const rp_model, index: usize) -> rp_status;
     pub fn rp_param_shape(
         out_shape: *mut i64,
         out_ndim: *mut i32,
