@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeError, RoundPipeRunConfig, Status, _capi, _internals  # noqa: E402
+from roundpipe import _python_layer  # noqa: E402
 from rp_reference import MLP_SPEC  # noqa: E402
 
 DEVICES = ("cpu", 2)
@@ -265,7 +266,10 @@ def test_every_owner_closes_once_and_refuses_use_afterwards():
               _internals.ModelOptions(seed=1),
               _internals.Loss.builtin(_capi.RP_LOSS_MSE, 0.5),
               _internals.Optimizer(_capi.RP_OPTIMIZER_SGD),
-              _internals.TensorList(_capi.lib().rp_split_microbatches, lent.pointers[0], 0, 2)]
+              _internals.TensorList(_capi.lib().rp_split_microbatches, lent.pointers[0], 0, 2),
+              _internals.LayerDef("python:test", _python_layer.FORWARD_TRAMPOLINE,
+                                  _python_layer.BACKWARD_TRAMPOLINE,
+                                  _python_layer.RELEASE_TRAMPOLINE, 0)]
     with _internals.ModelOptions(seed=2) as options:
         owners.append(_internals.Model(roundpipe.convert.resolve_model(IDENTITY), options))
     assert options.closed

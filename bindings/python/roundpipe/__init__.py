@@ -35,6 +35,7 @@ from ._callbacks import set_log_callback, set_progress_callback
 from ._capi import ABI_VERSION, candidate_paths, library_path, load_library
 from .config import REPLICATE, RoundPipeRunConfig
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
+from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
 from .wrap import wrap_model_to_roundpipe
 
@@ -65,5 +66,6 @@ __all__ = [
     "wrap_model_to_roundpipe", "optim", "set_log_callback", "set_progress_callback",
     "load_library", "library_path",
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
-    "HostStateBytes",
+    "HostStateBytes", "doing_recompute", "save_for_recompute", "get_recompute_data",
+    "AutoRoundPipe",
 ]

@@ -109,6 +109,10 @@ class rp_optimizer_p(c_void_p):
     pass
 
 
+class rp_layer_def_p(c_void_p):
+    pass
+
+
 # ------------------------------------------------------------------------------------------------
 # Enumerations (mirrors of the header's enums; ctypes cannot see C macros or enums).
 # ------------------------------------------------------------------------------------------------
@@ -122,6 +126,8 @@ RP_GRAIN_DEFAULT, RP_GRAIN_STAGE, RP_GRAIN_LAYER = 0, 1, 2
 RP_SPLIT_REPLICATE = -1
 RP_LOSS_OUTPUT, RP_LOSS_MSE, RP_LOSS_CROSS_ENTROPY, RP_LOSS_CAUSAL_LM = 0, 1, 2, 3
 RP_OPTIMIZER_ADAMW, RP_OPTIMIZER_SGD = 0, 1
+RP_PHASE_FORWARD, RP_PHASE_RECOMPUTE, RP_PHASE_TAIL = 0, 1, 2
+RP_PARAM_TRAINABLE, RP_PARAM_FROZEN, RP_PARAM_BUFFER = 0, 1, 2
 
 # ------------------------------------------------------------------------------------------------
 # Callback types. Pointer arguments arrive as Python ints (or None for NULL).
@@ -147,6 +153,27 @@ rp_loss_fn = CFUNCTYPE(c_int32, POINTER(c_double), POINTER(c_void_p), c_void_p, 
 
 # typedef int32_t (*rp_step_fn)(rp_model *model, void *user_data);
 rp_step_fn = CFUNCTYPE(c_int32, c_void_p, c_void_p)
+
+# typedef int32_t (*rp_layer_forward_fn)(rp_tensor_list *out_outputs, void **inout_context,
+#     const rp_layer_call *call, const DLManagedTensor *const *inputs, size_t n_inputs,
+#     void *user_data);
+rp_layer_forward_fn = CFUNCTYPE(c_int32, c_void_p, POINTER(c_void_p), c_void_p,
+                                POINTER(c_void_p), c_size_t, c_void_p)
+
+# typedef int32_t (*rp_layer_backward_fn)(rp_tensor_list *out_input_grads,
+#     rp_tensor_list *out_param_grads, void *context, const rp_layer_call *call,
+#     const DLManagedTensor *const *output_grads, size_t n_outputs, void *user_data);
+rp_layer_backward_fn = CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_void_p,
+                                 POINTER(c_void_p), c_size_t, c_void_p)
+
+# typedef void (*rp_layer_release_fn)(void *context, void *user_data);
+rp_layer_release_fn = CFUNCTYPE(None, c_void_p, c_void_p)
+
+# typedef int32_t (*rp_device_loss_fn)(DLManagedTensor **out_loss, rp_tensor_list *out_grads,
+#     const rp_layer_call *call, const DLManagedTensor *const *outputs, size_t n_outputs,
+#     const DLManagedTensor *labels, void *user_data);
+rp_device_loss_fn = CFUNCTYPE(c_int32, POINTER(c_void_p), c_void_p, c_void_p,
+                              POINTER(c_void_p), c_size_t, c_void_p, c_void_p)
 
 # ------------------------------------------------------------------------------------------------
 # Loading
@@ -204,6 +231,23 @@ def _declare(cdll):
 
     for declare in (_declare_base, _declare_model, _declare_calls, _declare_params):
         declare(fn)
+
+    # A library from before caller-defined layers still serves every model the engine builds
+    # itself; using a Python layer with it raises (missing_layer_api names the library).
+    def optional(name, restype, argtypes):
+        if hasattr(cdll, name):
+            fn(name, restype, argtypes)
+
+    _declare_layers(optional)
+
+
+def missing_layer_api():
+    """None, or why the loaded library cannot run caller-defined layers."""
+    if not hasattr(lib(), "rp_model_create_with_layers") or \
+            not hasattr(lib(), "rp_loss_create_device_callback"):
+        return ("%s predates caller-defined layers (no rp_model_create_with_layers / "
+                "rp_loss_create_device_callback); rebuild it" % _LIB_PATH)
+    return None
 
 
 def _declare_base(fn):
@@ -377,6 +421,36 @@ def _declare_params(fn):
        [P(rp_model_p), c_char_p, rp_model_options_p])                # rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *config_json, const rp_model_options *options);
     fn("rp_model_load_hf", st, [rp_model_p, c_char_p])               # rp_status rp_model_load_hf(rp_model *model, const char *dir);
     fn("rp_model_save_hf", st, [rp_model_p, c_char_p])               # rp_status rp_model_save_hf(rp_model *model, const char *dir);
+
+
+def _declare_layers(fn):
+    """Caller-defined layers, device losses, tensor lists the caller fills, parameter kinds:
+    declared with `fn` of _declare."""
+    P = POINTER
+    st = _STATUS  # rp_status: c_int checked by _status_check
+
+    fn("rp_layer_def_create", st,
+       [P(rp_layer_def_p), c_char_p, rp_layer_forward_fn, rp_layer_backward_fn,
+        rp_layer_release_fn, c_void_p])                              # rp_status rp_layer_def_create(rp_layer_def **out_def, const char *type_name, rp_layer_forward_fn forward, rp_layer_backward_fn backward, rp_layer_release_fn release, void *user_data);
+    fn("rp_layer_def_destroy", None, [rp_layer_def_p])               # void rp_layer_def_destroy(rp_layer_def *def);
+    fn("rp_layer_def_add_param", st,
+       [rp_layer_def_p, c_char_p, c_void_p, c_int32])                # rp_status rp_layer_def_add_param(rp_layer_def *def, const char *name, const DLManagedTensor *initial, int32_t trainable);
+    fn("rp_layer_def_add_buffer", st,
+       [rp_layer_def_p, c_char_p, c_void_p])                         # rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name, const DLManagedTensor *initial);
+    fn("rp_layer_def_set_cost", st, [rp_layer_def_p, c_double])      # rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);
+    fn("rp_layer_call_info", st,
+       [P(c_int32), P(c_int32), P(c_int32), P(c_void_p), P(c_uint64), P(c_int32), P(c_int32),
+        c_void_p])                                                   # rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type, int32_t *out_device_id, void **out_stream, uint64_t *out_seed, int32_t *out_microbatch, int32_t *out_training, const rp_layer_call *call);
+    fn("rp_layer_call_tensors", st,
+       [P(P(c_void_p)), P(c_size_t), P(P(c_void_p)), P(c_size_t), c_void_p])  # rp_status rp_layer_call_tensors(const DLManagedTensor *const **out_params, size_t *out_n_params, const DLManagedTensor *const **out_buffers, size_t *out_n_buffers, const rp_layer_call *call);
+    fn("rp_tensor_list_create", st, [P(rp_tensor_list_p)])           # rp_status rp_tensor_list_create(rp_tensor_list **out_list);
+    fn("rp_tensor_list_push", st, [c_void_p, c_void_p])              # rp_status rp_tensor_list_push(rp_tensor_list *list, DLManagedTensor *tensor);
+    fn("rp_loss_create_device_callback", st,
+       [P(rp_loss_p), rp_device_loss_fn, c_void_p])                  # rp_status rp_loss_create_device_callback(rp_loss **out_loss, rp_device_loss_fn fn, void *user_data);
+    fn("rp_model_create_with_layers", st,
+       [P(rp_model_p), c_char_p, P(rp_layer_def_p), c_size_t,
+        rp_model_options_p])                                         # rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_json, const rp_layer_def *const *defs, size_t n_defs, const rp_model_options *options);
+    fn("rp_param_kind_of", st, [P(c_int32), c_void_p, c_size_t])     # rp_status rp_param_kind_of(int32_t *out_kind, const rp_model *model, size_t index);
 
 
 # Marker for "returns rp_status" in _declare (c_int32 is c_int, so the type cannot tell).

@@ -9,17 +9,19 @@ Three ownership cases, as the header defines them:
     deleter when the tensor dies;
   * tensors we hand over for good (:func:`to_owned`, for loss gradients and split pieces): the
     capsule is renamed ``"used_dltensor"`` so that it no longer frees what the library now owns.
-Tensors the library lends to a callback (:func:`copy_borrowed`) are valid only during the
-callback, so they are copied into torch-owned memory: a view could outlive them.
+Tensors the library lends to a callback are valid only during the callback: :func:`copy_borrowed`
+copies them into torch-owned memory; :func:`borrow` gives a zero-copy view for code that
+guarantees the view is not read after the callback (the Python layers, see _python_layer).
 """
 
 import ctypes
+import threading
 from ctypes import POINTER, c_char_p, c_int, c_void_p, py_object
 
 import torch
 import torch.utils.dlpack
 
-from ._capi import DLManagedTensor
+from ._capi import DLManagedTensor, DLManagedTensorDeleter
 
 _api = ctypes.pythonapi
 _api.PyCapsule_New.restype = py_object
@@ -115,3 +117,43 @@ def copy_borrowed(ptr):
     copy = view.clone()
     del view, capsule  # the view (and torch's pointer to `shadow`) dies before `shadow`
     return copy
+
+
+# Zero-copy views of lent tensors. torch keeps the DLManagedTensor* it consumed and calls its
+# deleter when the view's storage dies, possibly after the callback; so each view gets its own
+# shadow DLManagedTensor (same DLTensor, our deleter), alive until torch releases it. The
+# lender's own struct is never touched: its deleter is the lender's.
+_shadows = {}
+_shadows_lock = threading.Lock()
+
+
+def _release_shadow(ptr):
+    with _shadows_lock:
+        _shadows.pop(ctypes.cast(ptr, c_void_p).value, None)
+
+
+_RELEASE_SHADOW = DLManagedTensorDeleter(_release_shadow)
+
+
+def borrow(ptr):
+    """A zero-copy torch view of a DLManagedTensor* lent to a callback (None for NULL). The
+    memory is the lender's: valid only while the lender says so (for a callback, its
+    duration)."""
+    if not ptr:
+        return None
+    src = ctypes.cast(ptr, POINTER(DLManagedTensor)).contents
+    shadow = DLManagedTensor()
+    shadow.dl_tensor = src.dl_tensor
+    shadow.manager_ctx = None
+    shadow.deleter = _RELEASE_SHADOW
+    address = ctypes.addressof(shadow)
+    with _shadows_lock:
+        _shadows[address] = shadow
+    capsule = _api.PyCapsule_New(address, _DLTENSOR, None)
+    try:
+        return torch.utils.dlpack.from_dlpack(capsule)
+    except BaseException:
+        if _api.PyCapsule_IsValid(capsule, _DLTENSOR):  # not consumed: torch holds nothing
+            with _shadows_lock:
+                _shadows.pop(address, None)
+        raise

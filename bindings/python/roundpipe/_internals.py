@@ -34,6 +34,7 @@ _DESTROY = {
     _capi.rp_tensor_list_p: "rp_tensor_list_destroy",
     _capi.rp_loss_p: "rp_loss_destroy",
     _capi.rp_optimizer_p: "rp_optimizer_destroy",
+    _capi.rp_layer_def_p: "rp_layer_def_destroy",
 }
 
 
@@ -232,6 +233,36 @@ class Loss(Owned):
         """The loss computed by the LossCall registered under `key`."""
         return cls(lib().rp_loss_create_callback, LOSS_TRAMPOLINE, key)
 
+    @classmethod
+    def device_callback(cls, key):
+        """The loss computed on the device by the DeviceLossCall registered under `key`."""
+        from ._device_loss import DEVICE_LOSS_TRAMPOLINE
+        return cls(lib().rp_loss_create_device_callback, DEVICE_LOSS_TRAMPOLINE, key)
+
+
+class LayerDef(Owned):
+    """An ``rp_layer_def``: a caller-defined layer's callbacks, parameters and buffers."""
+
+    _ctype = _capi.rp_layer_def_p
+    _what = "layer declaration"
+
+    def __init__(self, type_name, forward, backward, release, key):
+        missing = _capi.missing_layer_api()
+        if missing:
+            raise RoundPipeError(Status.STATE, missing)
+        super().__init__(lib().rp_layer_def_create, type_name.encode(), forward, backward,
+                         release, key)
+
+    def add_param(self, name, tensor, trainable):
+        """Declare a parameter; its value is copied from `tensor` now."""
+        lent = BorrowedInputs([tensor])
+        lib().rp_layer_def_add_param(self.handle, name.encode(), lent.pointers[0],
+                                     int(bool(trainable)))
+
+    def add_buffer(self, name, tensor):
+        lent = BorrowedInputs([tensor])
+        lib().rp_layer_def_add_buffer(self.handle, name.encode(), lent.pointers[0])
+
 
 class Optimizer(Owned):
     """An ``rp_optimizer``: settings of a built-in optimizer (state lives in the model)."""
@@ -339,6 +370,12 @@ class CallScope:
         """(rp_split_fn, user_data) for a SplitCall, or None."""
         return (SPLIT_TRAMPOLINE, self.register(split_call)) if split_call is not None else None
 
+    def watch(self, call):
+        """Report `call`'s kept exception (``.exc``) if the C call fails with
+        RP_ERR_CALLBACK, as for registered calls."""
+        self._calls.append(call)
+        return call
+
     def run(self, fn, *args):
         """fn(*args); when a callback of this call failed, raise the user's own exception."""
         try:
@@ -377,7 +414,10 @@ class Params:
 
     def __init__(self, model_ptr):
         self.model_ptr = model_ptr
-        self.items = None
+        self.items = None  # (name, Parameter) of trainable and frozen parameters
+        self.buffers = None  # (name, tensor) of buffers (state that is not trained)
+        self.trainable = None  # per item: has a gradient
+        self.indices = None  # per item: its engine tensor index
         self.lock = threading.Lock()
         self.sync_grads = False  # grads attached by synchronize() (no step can be running)
         self.step_exc = None
@@ -388,18 +428,29 @@ class Params:
                 return self.items
             L = lib()
             ptr = model_ptr or self.model_ptr
-            items = []
+            items, buffers, trainable, indices = [], [], [], []
             for i in range(query(L.rp_param_count, ptr, ctype=c_size_t)):
-                name = query(L.rp_param_name, ptr, i, ctype=c_char_p)
+                name = query(L.rp_param_name, ptr, i, ctype=c_char_p).decode()
+                kind = param_kind(ptr, i)
                 master = from_owned(query(L.rp_param_master, ptr, i, ctype=c_void_p))
-                items.append((name.decode(), nn.Parameter(master, requires_grad=True)))
+                if kind == _capi.RP_PARAM_BUFFER:
+                    buffers.append((name, master))
+                    continue
+                train = kind == _capi.RP_PARAM_TRAINABLE
+                items.append((name, nn.Parameter(master, requires_grad=train)))
+                trainable.append(train)
+                indices.append(i)
+            self.buffers, self.trainable, self.indices = buffers, trainable, indices
             self.items = items
             return items
 
     def attach_grads(self, model_ptr):
         """.grad of every parameter := a fresh view of the engine's gradient."""
         L = lib()
-        for i, (_, p) in enumerate(self.build(model_ptr)):
+        items = self.build(model_ptr)
+        for (_, p), train, i in zip(items, self.trainable, self.indices):
+            if not train:
+                continue  # frozen: no gradient exists
             grad = from_owned(query(L.rp_param_grad, model_ptr, i, ctype=c_void_p))
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
 
@@ -417,6 +468,14 @@ class Params:
     def record_step_exception(self, exc):
         if self.step_exc is None:
             self.step_exc = exc
+
+
+def param_kind(model_ptr, index):
+    """The rp_param_kind of tensor `index` (every tensor is trainable for a library from before
+    parameter kinds)."""
+    if not hasattr(lib(), "rp_param_kind_of"):
+        return _capi.RP_PARAM_TRAINABLE
+    return query(lib().rp_param_kind_of, model_ptr, index)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,6 +515,11 @@ class Model(Owned):
         elif source.kind == "hf_config":
             super().__init__(L.rp_model_create_from_hf_config, source.text.encode(),
                              options.handle)
+        elif source.layer_defs:
+            defs = (_capi.rp_layer_def_p * len(source.layer_defs))(
+                *[d.handle for d in source.layer_defs])
+            super().__init__(L.rp_model_create_with_layers, source.text.encode(), defs,
+                             len(source.layer_defs), options.handle)
         else:
             super().__init__(L.rp_model_create, source.text.encode(), options.handle)
         _live_models.add(self)

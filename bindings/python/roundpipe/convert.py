@@ -17,19 +17,37 @@ SUPPORTED_MODULES = (
     "nn.Flatten (end_dim=-1), nn.Identity (dropped), and nested nn.Sequential of these")
 
 SUPPORTED_INPUTS = (
-    "a JSON layer spec (dict, list of layer dicts, JSON text, or path of a .json file); an "
-    "nn.Sequential (or single module) built from: " + SUPPORTED_MODULES + "; or " +
-    hf.SUPPORTED_HF)
+    "a JSON layer spec (dict, list of layer dicts, JSON text, or path of a .json file); any "
+    "nn.Module (an nn.Sequential's children are the layers, any other module is one layer; "
+    "the engine runs these itself: " + SUPPORTED_MODULES + ", every other module runs as a "
+    "Python layer); or " + hf.SUPPORTED_HF)
 
 
 class ConvertedModule:
-    """Result of converting a module: the spec, and (engine name, source parameter, module
-    name) for every parameter, in the engine's order."""
+    """Result of converting a module: the spec, (engine name, source parameter, module name)
+    for every parameter of a built-in layer, in the engine's order, and the Python layers
+    (caller-defined entries of the spec, in order)."""
 
-    def __init__(self, spec, params, dtype):
+    def __init__(self, spec, params, dtype, python_layers=(), runtime=None):
         self.spec = spec
         self.params = params
         self.dtype = dtype
+        self.python_layers = list(python_layers)
+        self.runtime = runtime  # the LayerRuntime the Python layers report to
+
+    @property
+    def first_is_python(self):
+        return bool(self.python_layers) and self.python_layers[0].index == 0
+
+    def module_names(self):
+        """engine name -> module name of every tensor: built-in layers' parameters, Python
+        layers' parameters and buffers."""
+        names = {engine: mod for engine, _, mod in self.params}
+        for layer in self.python_layers:
+            for local in layer.param_names + layer.buffer_names:
+                names["%d.%s" % (layer.index, local)] = \
+                    "%s.%s" % (layer.name, local) if layer.name else local
+        return names
 
 
 def _flatten(module, prefix):
@@ -98,31 +116,60 @@ def _layer_spec(name, m):
     refuse("this module type has no engine layer")
 
 
-def convert_module(module):
-    """Convert an nn.Sequential (or one supported module) to a spec and its weights."""
+def _builtin_spec(qual, leaf):
+    """(layer dict or None to drop, names) of a module the engine runs itself, or False for
+    one that runs as a Python layer (no engine layer, or one with frozen parameters: every
+    built-in layer's parameters are trainable)."""
+    if any(not p.requires_grad for p in leaf.parameters()):
+        return False
+    try:
+        return _layer_spec(qual, leaf)
+    except RoundPipeUnsupportedError:
+        return False
+
+
+def convert_module(module, python_layers=True):
+    """Convert an nn.Sequential (its children, nested Sequentials flattened, are the layers)
+    or any other module (one layer) to a spec and its weights. Children the engine implements
+    are built-in layers; every other child runs as a Python layer (`python_layers`; else it is
+    refused, naming what the engine implements)."""
     if not isinstance(module, nn.Module):
         raise TypeError("expected an nn.Module, got %r" % type(module).__name__)
-    layers, params = [], []
-    dtypes = set()
+    from ._python_layer import LayerRuntime, PythonLayer
+    runtime = LayerRuntime()
+    entries = []  # (qual, leaf, spec and names, or False for a Python layer)
     for qual, leaf in _flatten(module, ""):
-        spec, names = _layer_spec(qual, leaf)
-        if spec is None:
+        built = _builtin_spec(qual, leaf) if python_layers else _layer_spec(qual, leaf)
+        if built is not False and built[0] is None:
+            continue  # nn.Identity
+        entries.append((qual, leaf, built))
+    if not entries:
+        raise RoundPipeUnsupportedError("the module has no layer to run (an empty "
+                                        "nn.Sequential, or only nn.Identity)")
+    layers, params, pylayers = [], [], []
+    dtypes = set()
+    for index, (qual, leaf, built) in enumerate(entries):
+        if built is False:
+            layer = PythonLayer(leaf, index, qual, runtime, first=index == 0,
+                                after_builtin=index > 0 and entries[index - 1][2] is not False,
+                                before_builtin=index + 1 < len(entries)
+                                and entries[index + 1][2] is not False)
+            layers.append({"type": "caller", "def": len(pylayers)})
+            pylayers.append(layer)
+            dtypes.update(p.dtype for p in leaf.parameters() if p.is_floating_point())
             continue
-        index = len(layers)
+        spec, names = built
         layers.append(spec)
         for layer_name, module_name in names:
             p = getattr(leaf, module_name)
             dtypes.add(p.dtype)
             full = "%s.%s" % (qual, module_name) if qual else module_name
             params.append(("%d.%s" % (index, layer_name), p, full))
-    if not layers:
-        raise RoundPipeUnsupportedError("the module has no layer the engine can run. Supported: "
-                                        + SUPPORTED_MODULES)
     dtype = dtypes.pop() if len(dtypes) == 1 else (torch.float32 if not dtypes else None)
     if dtype is None:
         raise RoundPipeUnsupportedError("the module mixes parameter dtypes (%s); convert it to "
                                         "one dtype first" % ", ".join(sorted(map(str, dtypes))))
-    return ConvertedModule({"layers": layers}, params, dtype)
+    return ConvertedModule({"layers": layers}, params, dtype, pylayers, runtime)
 
 
 class ModelSource:
@@ -136,6 +183,7 @@ class ModelSource:
 
     def __init__(self, kind, text=None, converted=None, module=None, path=None, dtype=None,
                  config=None):
+        self.layer_defs = []  # rp_layer_def owners of the Python layers, while building
         self.kind = kind
         self.text = text
         self.converted = converted

@@ -28,6 +28,11 @@ from .config import _GRAINS, RoundPipeRunConfig
 from .convert import resolve_model
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
 from .hf import hf_inputs, module_weights
+from ._capi import missing_layer_api
+from ._device_loss import DeviceLossCall
+from ._module_sync import copy_into_module, module_tensors
+from ._pytree import flatten
+from ._tree_call import layer_call, tree_inputs, tree_outputs
 from .optim import BuiltinOptimizer
 
 __all__ = ["RoundPipe", "BuiltinLoss", "HostStateBytes", "RoundPipePackedData", "spec_json"]
@@ -107,9 +112,20 @@ class RoundPipe:
             skip_nonfinite_steps=bool(skip_nonfinite_steps))
         # The engine gets the model-level fields it holds and overlays each call's on them; the
         # Python-only ones (split specs, custom merges) are overlaid by call_fields() per call.
-        with RunConfig.build(**model_run_config.engine_fields()) as run_config, \
-                ModelOptions(run_config=run_config, **options) as c_options:
-            self._model = Model(source, c_options)
+        self._python_layers = source.converted.python_layers if source.converted else []
+        try:
+            with RunConfig.build(**model_run_config.engine_fields()) as run_config, \
+                    ModelOptions(run_config=run_config, **options) as c_options:
+                # The engine copies each declaration: they live only while it builds.
+                source.layer_defs = [layer.declare() for layer in self._python_layers]
+                self._model = Model(source, c_options)
+        except BaseException:
+            self._unregister_layers()
+            raise
+        finally:
+            for layer_def in source.layer_defs:
+                layer_def.close()
+        self._runtime = source.converted.runtime if source.converted else None
         self._name = str(name)
         self._run_config = model_run_config
         self._host_memory = host_memory
@@ -131,6 +147,10 @@ class RoundPipe:
         names the engine gives its parameters)."""
         if source.converted is not None:
             weights = source.converted.params
+            self._module_names = source.converted.module_names()
+            if weights:  # Python layers' values were copied when they were declared
+                self._copy_in([(engine_name, p) for engine_name, p, _ in weights])
+            return
         elif source.module is not None:
             weights = module_weights(source.module, self._hf_params(),
                                      bool(self._hf_config.get("tie_word_embeddings")))
@@ -153,6 +173,11 @@ class RoundPipe:
         before stay valid tensors."""
         if self._model is not None:
             self._model.close()
+        self._unregister_layers()
+
+    def _unregister_layers(self):
+        for layer in self.__dict__.get("_python_layers", ()):
+            layer.unregister()
 
     @property
     def closed(self):
@@ -306,20 +331,54 @@ class RoundPipe:
     # -- calls --------------------------------------------------------------------------------
 
     @staticmethod
-    def _call_config(run_config, py, input_dims=None, label_dim=None, split_callback=None):
+    def _call_config(run_config, py, input_dims=None, label_dim=None, split_callback=None,
+                     per_microbatch=False):
         """The C configuration of one call: the engine fields `run_config` itself sets (the
         engine overlays them on the model's), merge 0 under a custom merge (`py`, from
-        call_fields(): the binding merges the per-microbatch outputs), and the split rules."""
+        call_fields(): the binding merges the per-microbatch outputs) or when the outputs are
+        pytrees (`per_microbatch`), and the split rules."""
         fields = run_config.engine_fields() if run_config is not None else {}
-        if py.merge_output is not None:
+        if py.merge_output is not None or per_microbatch:
             fields["merge_output"] = 0
         return RunConfig.build(input_dims=input_dims, label_dim=label_dim,
                                split_callback=split_callback, **fields)
 
+    def _configs(self, scope, run_config, py, dims, label_dim, split):
+        """(C configuration of the call, resolved configuration, whether to merge)."""
+        config = scope.own(self._call_config(run_config, py, dims, label_dim, split))
+        resolved = scope.own(self._model.resolve_run_config(config))
+        merge = resolved.merge_output == 1
+        if self._tree_outputs:  # pytree outputs: the binding merges what the engine cannot
+            config = scope.own(self._call_config(run_config, py, dims, label_dim, split, True))
+        return config, resolved, merge
+
+    @property
+    def _tree_outputs(self):
+        """The last layer is a Python layer: outputs are pytrees, rebuilt by the binding."""
+        layers = self._python_layers
+        return bool(layers) and layers[-1].index == self._model.count("num_layers") - 1
+
     def _call_inputs(self, args, kwargs, py):
+        """(tensors, split dims, split call, Spec of the inputs or None)."""
+        if self._python_layers and self._python_layers[0].first:
+            return tree_inputs(args, kwargs, py.split_input)
         if self._hf_config is not None:  # input_ids, attention_mask, position_ids, in order
             args, kwargs = hf_inputs(args, kwargs)
-        return call_inputs(args, kwargs, py.split_input)
+        return call_inputs(args, kwargs, py.split_input) + (None,)
+
+    def _outputs(self, tensors, py, resolved, merge, state):
+        if self._tree_outputs:
+            return tree_outputs(tensors, state, self._python_layers[-1].index,
+                                resolved.num_microbatch, py.merge_output, merge)
+        return merge_outputs(tensors, py.merge_output, merge)
+
+    def _output_spec(self, state):
+        """microbatch -> Spec of the model's outputs (what a Python loss_fn receives)."""
+        if self._tree_outputs:
+            last = self._python_layers[-1].index
+            return lambda mb: state.specs[(mb, last)]
+        single = flatten(torch.empty(0))[1]
+        return lambda mb: single
 
     def forward(self, *args, roundpipe_run_config=None, **kwargs):
         """Inference: split the inputs into microbatches, run them through the pipeline on the
@@ -327,13 +386,14 @@ class RoundPipe:
         model = self._model
         model.handle  # raises when closed
         py = self._run_config.call_fields(roundpipe_run_config)
-        tensors, dims, split_call = self._call_inputs(args, kwargs, py)
-        with CallScope() as scope:
+        tensors, dims, split_call, tree = self._call_inputs(args, kwargs, py)
+        with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
+                                              training=False) as state:
             split = scope.split_callback(split_call)
-            config = scope.own(self._call_config(roundpipe_run_config, py, dims, None, split))
-            merged = scope.own(model.resolve_run_config(config)).merge_output == 1
+            config, resolved, merge = self._configs(scope, roundpipe_run_config, py, dims,
+                                                    None, split)
             outputs = scope.run(model.forward, BorrowedInputs(tensors), config)
-        return merge_outputs(outputs.to_torch(), py.merge_output, merged)
+            return self._outputs(outputs.to_torch(), py, resolved, merge, state)
 
     __call__ = forward
 
@@ -372,32 +432,40 @@ class RoundPipe:
         if isinstance(input_args, torch.Tensor):
             input_args = (input_args,)
         py = self._run_config.call_fields(run_config)
-        tensors, dims, split_call = self._call_inputs(input_args, input_kwargs, py)
+        tensors, dims, split_call, tree = self._call_inputs(input_args, input_kwargs, py)
         if loss_fn is None and label is not None and self._hf_config is not None:
             loss_fn = "causal_lm"
         builtin = builtin_loss(loss_fn, label, return_outputs)
         engine_label = label if builtin is not None and label is not None else None
         label_dim = builtin_label_dim(py.split_label) if engine_label is not None else None
-        with CallScope() as scope:
+        with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
+                                              training=True) as state:
             split = scope.split_callback(split_call)
-            config = scope.own(self._call_config(run_config, py, dims, label_dim, split))
-            resolved = scope.own(model.resolve_run_config(config))
+            config, resolved, merge = self._configs(scope, run_config, py, dims, label_dim,
+                                                    split)
             if builtin is not None:
                 loss = scope.own(Loss.builtin(LOSSES[builtin.kind], builtin.scale))
             else:  # the binding splits the labels (any pytree) for the Python loss_fn
                 labels = None if label is None else \
                     split_label(label, py.split_label, resolved.num_microbatch)
-                loss = scope.own(Loss.callback(scope.register(LossCall(loss_fn, labels))))
+                loss = scope.own(self._python_loss(scope, loss_fn, labels, state))
             inputs = BorrowedInputs(tensors)
             labels_in = BorrowedInputs([engine_label]) if engine_label is not None else None
             value, outputs = scope.run(model.forward_backward, inputs,
                                        labels_in.pointers[0] if labels_in else None, loss,
                                        config, return_outputs)
-            merged = resolved.merge_output == 1
-        value = torch.tensor(value, dtype=torch.float64)
-        if return_outputs:
-            return value, merge_outputs(outputs.to_torch(), py.merge_output, merged)
-        return value
+            value = torch.tensor(value, dtype=torch.float64)
+            if return_outputs:
+                return value, self._outputs(outputs.to_torch(), py, resolved, merge, state)
+            return value
+
+    def _python_loss(self, scope, loss_fn, labels, state):
+        """A Python loss_fn: on the device with torch autograd (rp_device_loss_fn), or, with a
+        library from before device losses, on fp32 CPU copies of the outputs."""
+        if missing_layer_api() is None:
+            return Loss.device_callback(scope.register(
+                DeviceLossCall(loss_fn, labels, self._output_spec(state))))
+        return Loss.callback(scope.register(LossCall(loss_fn, labels)))
 
     # -- optimizer ----------------------------------------------------------------------------
 
@@ -478,7 +546,15 @@ class RoundPipe:
     def synchronize(self):
         """Wait for every pending step and publish the latest weights. Afterwards the
         parameters show the latest master weights and their .grad the gradients accumulated
-        since the last step. Re-raises the exception of a failed async step_fn."""
+        since the last step, and so does the nn.Module the model was built from (weights,
+        buffers such as BatchNorm running statistics, and .grad of trainable parameters), as
+        upstream's synchronize() leaves it. Re-raises the exception of a failed async
+        step_fn."""
+        self._sync_engine()
+        if self.model is not None and self._module_names:
+            copy_into_module(self._model.handle.value, self.model, self._module_names)
+
+    def _sync_engine(self):
         model = self._model
         failure = None
         try:
@@ -498,23 +574,31 @@ class RoundPipe:
     # -- weights ------------------------------------------------------------------------------
 
     def _copy_in(self, named):
-        """Write (engine name, tensor) pairs into the master weights and publish them."""
-        self.synchronize()
-        params = dict(self._params.build())
+        """Write (engine name, tensor) pairs into the master weights and buffers and publish
+        them (the module's own tensors are not read back: they may be the source)."""
+        self._sync_engine()
+        params = self._all_tensors()
         with torch.no_grad():
             for name, value in named:
                 params[name].copy_(value.detach().to(device="cpu"))
-        self.synchronize()
+        self._sync_engine()
+
+    def _all_tensors(self):
+        """engine name -> master weight (parameters) or held value (buffers)."""
+        named = dict(self._params.build())
+        named.update(self._params.buffers)
+        return named
 
     def state_dict(self):
-        """Copies of the latest weights (synchronizes first), by engine parameter name."""
+        """Copies of the latest weights and buffers (synchronizes first), by engine name."""
         self.synchronize()
-        return OrderedDict((name, p.detach().clone()) for name, p in self._params.build())
+        return OrderedDict((name, p.detach().clone()) for name, p in
+                           list(self._params.build()) + list(self._params.buffers))
 
     def load_state_dict(self, state_dict, strict=True):
         """Copy weights into the model by engine parameter name (synchronizes before and
         after). With strict, every parameter must be given and nothing else."""
-        params = dict(self._params.build())
+        params = self._all_tensors()
         unexpected = [k for k in state_dict if k not in params]
         missing = [k for k in params if k not in state_dict]
         if strict and (unexpected or missing):
@@ -526,6 +610,7 @@ class RoundPipe:
                                      " the model's is %s" % (k, tuple(v.shape),
                                                              tuple(params[k].shape)))
         self._copy_in([(k, v) for k, v in state_dict.items() if k in params])
+        self.synchronize()
 
     def copy_to_module(self, module=None):
         """Copy the latest weights into the nn.Module this model was built from (or `module`,
@@ -538,13 +623,15 @@ class RoundPipe:
         if module is None or names is None:
             raise RoundPipeError(Status.STATE, "copy_to_module needs a model built from an "
                                  "nn.Module, or a module to copy into")
-        targets = dict(module.named_parameters())
+        targets = module_tensors(module)
         missing = [names[k] for k in names if names[k] not in targets]
         if missing:
             raise RoundPipeError(Status.INVALID_ARGUMENT, "copy_to_module: the module has no "
                                  "parameter %s" % ", ".join(missing))
         with torch.no_grad():
             for name, value in self.state_dict().items():
+                if name not in names:
+                    continue
                 target = targets[names[name]]
                 target.copy_(value.to(target.dtype))
         return module

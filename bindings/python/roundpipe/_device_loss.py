@@ -1,0 +1,81 @@
+"""A Python loss_fn on the device, with torch autograd (rp_loss_create_device_callback).
+
+The engine calls it once per microbatch on the device where the tail stage ran, with that
+microbatch's outputs in the model dtype. The outputs get their structure back (the last layer's
+pytree), the labels are the binding's per-microbatch split of any pytree (moved to the outputs'
+device, as upstream's loss runs on the GPU), and the gradient of the loss with respect to each
+floating output comes from torch.autograd.grad.
+"""
+
+import torch
+
+from . import _capi
+from ._callbacks import _CallbackScope, registry
+from ._dlpack import borrow, copy_borrowed, to_owned
+from ._python_layer import LayerCall, _push, owned_copy_if_lent
+
+
+class DeviceLossCall:
+    """One forward_backward with a Python loss_fn. `labels`: per-microbatch labels (split by
+    the binding) or None; `output_spec(microbatch)`: the Spec of the model's outputs."""
+
+    def __init__(self, fn, labels, output_spec):
+        self.fn = fn
+        self.labels = labels
+        self.output_spec = output_spec
+        self.exc = None
+
+    def compute(self, out_loss, out_grads, call, outputs, n_outputs, labels_ptr):
+        lend = LayerCall(call, with_tensors=False)
+        lent = [borrow(outputs[i]) for i in range(n_outputs)]
+        leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in lent]
+        if self.labels is not None:
+            label = _to_device(self.labels[lend.microbatch], lend.device)
+        else:
+            label = copy_borrowed(labels_ptr) if labels_ptr else None
+        value = self.output_spec(lend.microbatch).unflatten(leaves)
+        with lend.on_device(seeded=False), torch.enable_grad():
+            result = self.fn(value, label)
+            losses = [result] if isinstance(result, torch.Tensor) else list(result)
+            for loss in losses:
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError("loss_fn must return a tensor or a sequence of tensors, "
+                                    "got %s" % type(loss).__name__)
+            total = sum(loss.reshape(()) if loss.numel() == 1 else loss for loss in losses)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = torch.autograd.grad(total, wanted, allow_unused=True) \
+                if total.requires_grad and wanted else [None] * len(wanted)
+        grads = iter(grads)
+        lent_ptrs = {t.untyped_storage().data_ptr() for t in lent}
+        for t in leaves:
+            g = next(grads) if t.requires_grad else None
+            _push(out_grads, None if g is None else owned_copy_if_lent(g, lent_ptrs))
+        out_loss[0] = to_owned(total.detach().reshape(1).clone())
+
+
+def _to_device(label, device):
+    """Tensor leaves of a label pytree on `device` (others as they are)."""
+    if isinstance(label, torch.Tensor):
+        return label.to(device, non_blocking=True)
+    if isinstance(label, (tuple, list)) and not hasattr(label, "_fields"):
+        return type(label)(_to_device(x, device) for x in label)
+    if isinstance(label, dict):
+        return {k: _to_device(v, device) for k, v in label.items()}
+    return label
+
+
+def _loss_entry(out_loss, out_grads, call, outputs, n_outputs, labels, user_data):
+    with _CallbackScope(library_thread=True):
+        loss_call = registry.get(user_data)
+        if loss_call is None:
+            return 1
+        try:
+            loss_call.compute(out_loss, out_grads, call, outputs, n_outputs, labels)
+            return 0
+        except BaseException as exc:  # noqa: B902 - nothing may escape into C
+            if loss_call.exc is None:  # re-raised as it is, as before (test_errors)
+                loss_call.exc = exc
+            return 1
+
+
+DEVICE_LOSS_TRAMPOLINE = _capi.rp_device_loss_fn(_loss_entry)
