@@ -44,6 +44,8 @@ export num_microbatch, recompute_grain, output_device, merge_output
 export param_count, param_name, param_names, param_find, param_shape, param_hf_name
 export param_master, param_grad, with_param_master, with_param_grad
 export save, load!, save_hf, load_hf!, set_log_callback, reset_log_callback
+export LayerDef, LayerCall, add_param!, add_buffer!, set_cost!, layer_params, layer_buffers
+export with_buffer, param_kind
 
 # The layers of the package, each on the ones above it:
 include("errors.jl")      # RoundPipeError, @check, the ABI check, GC-safe calls
@@ -54,7 +56,8 @@ include("optimizer.jl")   # Optimizer
 include("loss.jl")        # Loss
 include("model.jl")       # Model: options, construction, queries, weights on disk
 include("params.jl")      # StepContext and parameter access
-include("callbacks.jl")   # code the library calls on its threads: loss, step, log
+include("layers.jl")      # caller-defined layers: LayerDef, LayerCall, Model(spec, layers)
+include("callbacks.jl")   # code the library calls on its threads: loss, step, log, layers
 include("training.jl")    # forward, forward_backward, step!, synchronize!, zero_grad!
 
 __init__() = _init_callbacks()

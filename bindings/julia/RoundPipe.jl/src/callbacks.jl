@@ -46,6 +46,75 @@ end
 
 const _STEP_TRAMPOLINE = Ref{Ptr{Cvoid}}(C_NULL)
 
+# --- Caller-defined layers (device worker threads) -------------------------------------------
+
+function _layer_forward_trampoline(out::Ptr{L.rp_tensor_list}, inout_context::Ptr{Ptr{Cvoid}},
+                                   call::Ptr{L.rp_layer_call},
+                                   inputs::Ptr{Ptr{L.DLManagedTensor}}, n_inputs::Csize_t,
+                                   user_data::Ptr{Cvoid})::Int32
+    layer = unsafe_pointer_to_objref(user_data)::LayerDef
+    try
+        c = LayerCall(call)
+        xs = Array[_to_array(unsafe_load(inputs, i); delete=false) for i in 1:Int(n_inputs)]
+        outputs, context = layer.forward(c, xs...)
+        for y in outputs
+            @check L.rp_tensor_list_push(out, _managed_copy(y))  # the list owns it now
+        end
+        # Only the phases with gradient keep a context; the engine releases it exactly once.
+        if c.phase !== :forward && inout_context != C_NULL
+            unsafe_store!(inout_context, _keep_context!(layer, context))
+        end
+        return Int32(0)
+    catch err
+        layer.last_error = "$(layer.name): forward failed: " * sprint(showerror, err)
+        return Int32(1)
+    end
+end
+
+_grad_ptr(g) = g === nothing ? Ptr{L.DLManagedTensor}(C_NULL) : _managed_copy(g)
+
+function _layer_backward_trampoline(input_grads::Ptr{L.rp_tensor_list},
+                                    param_grads::Ptr{L.rp_tensor_list}, context::Ptr{Cvoid},
+                                    call::Ptr{L.rp_layer_call},
+                                    output_grads::Ptr{Ptr{L.DLManagedTensor}},
+                                    n_outputs::Csize_t, user_data::Ptr{Cvoid})::Int32
+    layer = unsafe_pointer_to_objref(user_data)::LayerDef
+    try
+        c = LayerCall(call)
+        ctx = _context(layer, context)
+        gs = Any[]
+        for i in 1:Int(n_outputs)
+            p = unsafe_load(output_grads, i)
+            push!(gs, p == C_NULL ? nothing : _to_array(p; delete=false))
+        end
+        dinputs, dparams = layer.backward(c, ctx, gs)
+        for g in dinputs
+            @check L.rp_tensor_list_push(input_grads, _grad_ptr(g))
+        end
+        for g in dparams
+            @check L.rp_tensor_list_push(param_grads, _grad_ptr(g))
+        end
+        return Int32(0)
+    catch err
+        layer.last_error = "$(layer.name): backward failed: " * sprint(showerror, err)
+        return Int32(1)
+    end
+end
+
+function _layer_release_trampoline(context::Ptr{Cvoid}, user_data::Ptr{Cvoid})::Cvoid
+    layer = unsafe_pointer_to_objref(user_data)::LayerDef
+    try
+        _release_context!(layer, context)
+    catch
+        # Nothing may cross into C; a context that is not in the table was never kept.
+    end
+    return nothing
+end
+
+const _LAYER_FORWARD_TRAMPOLINE = Ref{Ptr{Cvoid}}(C_NULL)
+const _LAYER_BACKWARD_TRAMPOLINE = Ref{Ptr{Cvoid}}(C_NULL)
+const _LAYER_RELEASE_TRAMPOLINE = Ref{Ptr{Cvoid}}(C_NULL)
+
 # --- Logging (any library thread, one call at a time) ---------------------------------------
 
 const _LOG_FN = Ref{Any}(nothing)
@@ -91,5 +160,16 @@ function _init_callbacks()
     _STEP_TRAMPOLINE[] = @cfunction(_step_trampoline, Int32, (Ptr{L.rp_model}, Ptr{Cvoid}))
     _LOG_TRAMPOLINE[] = @cfunction(_log_trampoline, Cvoid, (Int32, Cstring, Ptr{Cvoid}))
     _FREE_DELETER[] = @cfunction(_free_managed, Cvoid, (Ptr{L.DLManagedTensor},))
+    _LAYER_FORWARD_TRAMPOLINE[] = @cfunction(_layer_forward_trampoline, Int32,
+                                             (Ptr{L.rp_tensor_list}, Ptr{Ptr{Cvoid}},
+                                              Ptr{L.rp_layer_call}, Ptr{Ptr{L.DLManagedTensor}},
+                                              Csize_t, Ptr{Cvoid}))
+    _LAYER_BACKWARD_TRAMPOLINE[] = @cfunction(_layer_backward_trampoline, Int32,
+                                              (Ptr{L.rp_tensor_list}, Ptr{L.rp_tensor_list},
+                                               Ptr{Cvoid}, Ptr{L.rp_layer_call},
+                                               Ptr{Ptr{L.DLManagedTensor}}, Csize_t,
+                                               Ptr{Cvoid}))
+    _LAYER_RELEASE_TRAMPOLINE[] = @cfunction(_layer_release_trampoline, Cvoid,
+                                             (Ptr{Cvoid}, Ptr{Cvoid}))
     return nothing
 end

@@ -16,6 +16,7 @@ const _HANDLE_TABLE = (
     (L.rp_tensor_list, L.rp_tensor_list_destroy, false),
     (L.rp_loss, L.rp_loss_destroy, false),
     (L.rp_optimizer, L.rp_optimizer_destroy, false),
+    (L.rp_layer_def, L.rp_layer_def_destroy, false),  # models keep their own copies
 )
 
 for (R, destroy, drains) in _HANDLE_TABLE

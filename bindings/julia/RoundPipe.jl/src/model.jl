@@ -24,12 +24,14 @@ mode the gradients of a bf16 / f16 model are bfloat16: `param_grad` widens them 
 mutable struct Model <: Handle
     ptr::Ptr{L.rp_model}
     pending_steps::Vector{Any}  # step callbacks the optimizer thread may still run
+    layers::Vector{Any}         # its caller-defined layers (LayerDef): their callbacks' user_data
 
-    Model(p::Ptr{L.rp_model}) = _own!(new(p, Any[]))
+    Model(p::Ptr{L.rp_model}) = _own!(new(p, Any[], Any[]))
 end
 
-# Destroying the model drained its optimizer thread: no step callback is pending any more.
-_closed!(m::Model) = (empty!(m.pending_steps); nothing)
+# Destroying the model drained its optimizer thread and its device workers: no step or layer
+# callback can run any more.
+_closed!(m::Model) = (empty!(m.pending_steps); empty!(m.layers); nothing)
 
 const _DEVICE_KINDS = (auto=L.RP_DEVICE_AUTO, cpu=L.RP_DEVICE_CPU, cuda=L.RP_DEVICE_CUDA)
 const _FLOAT_TYPES = (f32=L.RP_DTYPE_F32, bf16=L.RP_DTYPE_BF16, f16=L.RP_DTYPE_F16)

@@ -9,13 +9,14 @@ microbatch), as Julia copies.
 function forward(m::Model, inputs::AbstractArray...; config::Union{Nothing,RunConfig}=nothing)
     list = Ref{Ptr{L.rp_tensor_list}}(C_NULL)
     mp, cp = _ptr(m), _cfg(config)
+    _clear_layer_errors!(m)
     st = _with_borrowed(inputs) do pp, np
         GC.@preserve list begin
             lp = Base.unsafe_convert(Ptr{Ptr{L.rp_tensor_list}}, list)
             _gcsafe(() -> L.rp_forward(lp, mp, pp, np, cp))
         end
     end
-    @check st
+    st == L.RP_OK || throw(_layer_details(m, _last_error(st)))
     return _take_list(list[])
 end
 
@@ -33,6 +34,7 @@ function forward_backward(m::Model, inputs::AbstractArray...; labels=nothing,
     value = Ref{Cdouble}(0)
     list = Ref{Ptr{L.rp_tensor_list}}(C_NULL)
     loss === nothing || (loss.last_error = nothing)
+    _clear_layer_errors!(m)
     mp, cp = _ptr(m), _cfg(config)
     lsp = loss === nothing ? Ptr{L.rp_loss}(C_NULL) : _ptr(loss)
     st = _with_borrowed(inputs) do pp, np
@@ -50,7 +52,7 @@ function forward_backward(m::Model, inputs::AbstractArray...; labels=nothing,
         if st == L.RP_ERR_CALLBACK && loss !== nothing && loss.last_error !== nothing
             e = RoundPipeError(e.status, e.message * ": " * loss.last_error)
         end
-        throw(e)
+        throw(_layer_details(m, e))
     end
     outputs || return value[]
     return value[], _take_list(list[])

@@ -435,6 +435,8 @@ end
     @test RunConfig(num_microbatch; num_microbatch=3) == 3
 end
 
+include("caller_layers.jl")
+
 @testset "close is idempotent and closed handles are refused" begin
     m = Model("""{"layers":[{"type":"linear","in":4,"out":2}]}"""; devices=:cpu)
     close(m)
