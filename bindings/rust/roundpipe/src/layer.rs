@@ -9,35 +9,39 @@
 //! run or the call has failed.
 //!
 //! ```no_run
-//! use roundpipe::{LayerDef, LayerGrads, LayerOutput, Tensor};
-//!
 //! # fn main() -> roundpipe::Result<()> {
-//! // y = x * w, elementwise over 4 features; w trainable.
-//! let mut def = LayerDef::new(
+//! use roundpipe::{Context, LayerCall, LayerDef, LayerGrads, LayerOutput, Model, Phase, Tensor, TensorView};
+//!
+//! // y = x * w, one trainable weight per feature (4 features)
+//! let mut scale = LayerDef::new(
 //!     "rust:scale",
-//!     |call, inputs| {
-//!         let x = inputs[0].as_slice::<f32>().map_err(|e| e.to_string())?;
-//!         let w = call.params()[0].as_slice::<f32>().map_err(|e| e.to_string())?;
+//!     |call: &mut LayerCall<'_>, inputs: &[TensorView<'_>]| {
+//!         let e = |e: roundpipe::Error| e.to_string();
+//!         let x = inputs[0].as_slice::<f32>().map_err(e)?;
+//!         let w = call.params()[0].to_vec::<f32>().map_err(e)?;
 //!         let y: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * w[i % 4]).collect();
-//!         let out = Tensor::new(&y, inputs[0].shape()).map_err(|e| e.to_string())?;
-//!         // What backward needs: the input and the weights of this microbatch.
-//!         Ok(LayerOutput::new(vec![out]).with_context((x.to_vec(), w.to_vec())))
+//!         let out = LayerOutput::new(vec![Tensor::new(&y, inputs[0].shape()).map_err(e)?]);
+//!         // keep what backward needs only when a gradient is wanted
+//!         Ok(if call.phase() == Phase::Forward { out } else { out.with_context((x.to_vec(), w)) })
 //!     },
-//!     Some(|_call: &mut roundpipe::LayerCall<'_>, ctx: &mut roundpipe::Context,
-//!           grads: &[Option<roundpipe::TensorView<'_>>]| {
+//!     Some(|_call: &mut LayerCall<'_>, ctx: &mut Context, grads: &[Option<TensorView<'_>>]| {
 //!         let (x, w) = ctx.downcast_ref::<(Vec<f32>, Vec<f32>)>().unwrap();
-//!         let g = grads[0].as_ref().unwrap().as_slice::<f32>().map_err(|e| e.to_string())?;
-//!         let dx: Vec<f32> = g.iter().enumerate().map(|(i, v)| v * w[i % 4]).collect();
+//!         let g = grads[0].as_ref().unwrap();
+//!         let gv = g.as_slice::<f32>().map_err(|e| e.to_string())?;
+//!         let dx: Vec<f32> = gv.iter().enumerate().map(|(i, v)| v * w[i % 4]).collect();
 //!         let mut dw = vec![0f32; 4];
-//!         for i in 0..g.len() { dw[i % 4] += g[i] * x[i]; }
-//!         let shape = grads[0].as_ref().unwrap().shape();
-//!         Ok(LayerGrads {
-//!             inputs: vec![Some(Tensor::new(&dx, shape).map_err(|e| e.to_string())?)],
-//!             params: vec![Some(Tensor::new(&dw, &[4]).map_err(|e| e.to_string())?)],
-//!         })
+//!         for i in 0..gv.len() { dw[i % 4] += gv[i] * x[i]; }
+//!         let t = |v: &[f32], s: &[i64]| Tensor::new(v, s).map_err(|e| e.to_string());
+//!         // one entry per input, one per parameter (None for a frozen one)
+//!         Ok(LayerGrads { inputs: vec![Some(t(&dx, g.shape())?)], params: vec![Some(t(&dw, &[4])?)] })
 //!     }),
 //! )?;
-//! def.add_param("w", &Tensor::new(&[1f32; 4], &[4])?, true)?;
+//! scale.add_param("w", &Tensor::new(&[1f32; 4], &[4])?, true)?; // false: frozen
+//! let spec = r#"{"layers": [{"type": "caller", "def": 0}, {"type": "linear", "in": 4, "out": 1}]}"#;
+//! let mut options = roundpipe::ModelOptions::new()?;
+//! options.set_devices(roundpipe::DeviceKind::Cpu, 2)?.set_stage_plan(&[1, 1])?;
+//! let model = Model::with_layers(spec, vec![scale], Some(&options))?;
+//! # drop(model);
 //! # Ok(())
 //! # }
 //! ```
