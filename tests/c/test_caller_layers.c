@@ -678,13 +678,15 @@ static void assert_model_matches(rp_model *m, const ref *r, const ref_grads *g) 
 
 /* ---- driving ------------------------------------------------------------------------------ */
 
-/* One training call with the built-in MSE; `outputs` (may be NULL) receives the outputs. */
-static rp_status train_call(rp_model *m, double *loss, float *outputs, const rp_loss *custom) {
+/* One training call with the built-in MSE (or `custom`) at recompute grain `grain` (0: the
+ * default); `outputs` (may be NULL) receives the outputs. */
+static rp_status train_call_grain(rp_model *m, double *loss, float *outputs,
+                                  const rp_loss *custom, int32_t grain) {
     DLManagedTensor *x = ts_f32(2, XS, X), *t = ts_f32(2, TS, T);
     const DLManagedTensor *inputs[1] = {x};
     rp_loss *mse = NULL;
     TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
-    rp_run_config *cfg = ts_config(M, 0);
+    rp_run_config *cfg = ts_config(M, grain);
     rp_tensor_list *outs = NULL;
     double l = 0.0;
     rp_status s = rp_forward_backward(&l, outputs ? &outs : NULL, m, inputs, 1, t,
@@ -704,6 +706,10 @@ static rp_status train_call(rp_model *m, double *loss, float *outputs, const rp_
     ts_free(x);
     ts_free(t);
     return s;
+}
+
+static rp_status train_call(rp_model *m, double *loss, float *outputs, const rp_loss *custom) {
+    return train_call_grain(m, loss, outputs, custom, 0);
 }
 
 static void sgd_step(rp_model *m, double lr) {
@@ -844,6 +850,28 @@ static void test_train_matches_reference(void **state) {
     ts_free(x);
 }
 
+/* Recomputing one layer at a time: the same phases per caller layer, the same gradients. */
+static void test_layer_grain_matches_reference(void **state) {
+    fixture *f = *state;
+    ref r = reference_init(f->model, &f->v);
+    ref_grads g;
+    memset(&g, 0, sizeof g);
+    double want_out[N * O], loss = 0.0;
+    double want_loss = reference_call(&r, &g, want_out, 1);
+    TS_OK(train_call_grain(f->model, &loss, NULL, NULL, RP_GRAIN_LAYER));
+    assert_true(fabs(loss - want_loss) <= TOL * fabs(want_loss));
+    assert_model_matches(f->model, &r, &g);
+    for (int i = 0; i < 2; ++i) {
+        assert_int_equal(f->st[i].forward[RP_PHASE_FORWARD], M);
+        assert_int_equal(f->st[i].forward[RP_PHASE_RECOMPUTE], M);
+        assert_int_equal(f->st[i].backward, M);
+    }
+    assert_int_equal(f->st[2].forward[RP_PHASE_TAIL], M);
+    assert_int_equal(f->st[2].backward, M);
+    assert_int_equal(f->st[1].buffer_updates, M);
+    assert_contexts_released(f->st, 3);
+}
+
 /* A frozen parameter holds no gradient and no optimizer state: less host memory than the same
  * parameter trainable (at least its fp32 gradient buffer, 4 bytes per element). */
 static void test_frozen_costs_less_host_memory(void **state) {
@@ -956,6 +984,7 @@ static void test_bad_declarations(void **state) {
     TS_ERR(rp_layer_def_add_param(def, "idx", ints, 0), RP_ERR_INVALID_ARGUMENT,
            "idx|duplicate");
     TS_ERR(rp_layer_def_add_param(def, "", ints, 0), RP_ERR_INVALID_ARGUMENT, "name");
+    TS_OK(rp_layer_def_set_cost(def, 10.0));
     TS_ERR(rp_layer_def_set_cost(def, -1.0), RP_ERR_INVALID_ARGUMENT, "cost");
     TS_ERR(rp_layer_def_create(&def, "c:bad", NULL, NULL, NULL, NULL), RP_ERR_INVALID_ARGUMENT,
            "forward");
@@ -1193,6 +1222,8 @@ static void test_two_tensor_activations(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_train_matches_reference, setup_main, teardown_main),
+        cmocka_unit_test_setup_teardown(test_layer_grain_matches_reference, setup_main,
+                                        teardown_main),
         cmocka_unit_test_setup_teardown(test_callback_failures, setup_main, teardown_main),
         cmocka_unit_test_setup_teardown(test_device_loss_matches_reference, setup_main,
                                         teardown_main),
