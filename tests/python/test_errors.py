@@ -238,12 +238,11 @@ def test_unsupported_inputs_list_what_is_supported():
     assert "nn.Module" in err.message and "JSON" in err.message
 
 
-def test_wrap_options_that_need_recursive_wrapping_are_refused():
-    # Hugging Face models and their errors: test_hf.py.
-    for kwargs in ({"skip_modules": [object()]}, {"override_config": {object(): None}},
-                   {"use_sequential_preset": True}):
-        with pytest.raises(RoundPipeUnsupportedError):
-            roundpipe.wrap_model_to_roundpipe(torch.nn.Linear(2, 2), **kwargs)
+def test_sequential_preset_demanded_for_a_model_without_one_is_refused():
+    # Hugging Face models and their errors: test_hf.py; the recursion: test_python_layers.py.
+    with pytest.raises(RoundPipeUnsupportedError) as info:
+        roundpipe.wrap_model_to_roundpipe(torch.nn.Linear(2, 2), use_sequential_preset=True)
+    assert isinstance(info.value, NotImplementedError) and "Linear" in info.value.message
 
 
 def test_log_callback_receives_messages():

@@ -37,7 +37,7 @@ from .config import REPLICATE, RoundPipeRunConfig
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
-from .wrap import wrap_model_to_roundpipe
+from .wrap import AutoRoundPipe, wrap_model_to_roundpipe
 
 __version__ = "0.1.0"
 

@@ -1,66 +1,190 @@
-"""wrap_model_to_roundpipe: upstream's automatic entry point, for the models the engine has."""
+"""wrap_model_to_roundpipe: upstream's automatic entry point.
 
+Presets first (the engine's native Qwen3 / Llama; Python Sequential presets of transformers' own
+modules for other causal LMs, _hf_presets), then upstream's recursion over the module tree
+(API_model "Wrapping Strategy Details"): skip_modules, nn.Sequential, the own-parameter and size
+thresholds, nn.ModuleList element-wise, recursion into children; a root that could not be
+wrapped whole becomes an :class:`AutoRoundPipe`.
+"""
+
+import itertools
+
+import torch
 from torch import nn
 
+from ._args import call_site_name, parse_devices, parse_host_memory
+from ._hf_presets import sequential_preset
 from .config import RoundPipeRunConfig
-from .convert import SUPPORTED_INPUTS, convert_module
 from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
-from ._args import call_site_name, parse_host_memory
 from .model import RoundPipe
+
+
+def _bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _has_own_forward(module):
+    return type(module).forward is not nn.Module.forward
+
+
+class RoundPipeModule(nn.Module):
+    """A RoundPipe standing where a submodule was, inside a module that upstream's recursion
+    could not wrap whole: calling it runs the RoundPipe's forward (inference)."""
+
+    def __init__(self, roundpipe):
+        super().__init__()
+        object.__setattr__(self, "roundpipe", roundpipe)  # not a submodule: no parameters
+
+    def forward(self, *args, **kwargs):
+        return self.roundpipe.forward(*args, **kwargs)
+
+
+class AutoRoundPipe:
+    """Upstream's AutoRoundPipe: `model` with its large submodules replaced by RoundPipes, its
+    own forward running on the calling thread. forward() works; forward_backward() does not
+    (as upstream: the model could not be split into a Sequential); step() and synchronize()
+    act on every inner RoundPipe."""
+
+    def __init__(self, model, inner):
+        self.model = model
+        self.roundpipes = inner
+
+    def forward(self, *args, **kwargs):
+        kwargs.pop("roundpipe_run_config", None)
+        with torch.no_grad():
+            return self.model(*args, **kwargs)
+
+    __call__ = forward
+
+    def forward_backward(self, *args, **kwargs):
+        raise RoundPipeUnsupportedError(
+            "AutoRoundPipe: %s could not be split into a Sequential, so it has no fused "
+            "forward_backward (as upstream); wrap its layers as an nn.Sequential, or pass it "
+            "to RoundPipe(model) to train it as one layer" % type(self.model).__name__)
+
+    def optim_parameters(self):
+        return itertools.chain.from_iterable(rp.optim_parameters() for rp in self.roundpipes)
+
+    parameters = optim_parameters
+
+    def step(self, step_fn, is_async=True, *args, **kwargs):
+        for rp in self.roundpipes:
+            rp.step(step_fn, is_async, *args, **kwargs)
+
+    def synchronize(self):
+        for rp in self.roundpipes:
+            rp.synchronize()
+
+    def close(self):
+        for rp in self.roundpipes:
+            rp.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024,
                             upper_threshold=None, skip_modules=(), override_config=None,
                             model_run_config=None, name=None, host_memory="standard",
                             **roundpipe_kwargs):
-    """Wrap `model` into a RoundPipe.
+    """Wrap `model` into a RoundPipe (or an AutoRoundPipe), as upstream does.
 
-    Supported:
-    - Hugging Face ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (transformers objects, or
-      subclasses): the engine's preset for them, built from ``model.config`` with the model's
-      weights copied (by Hugging Face tensor name) and the model's dtype. The result takes
-      ``input_ids``, ``attention_mask`` and ``position_ids``, returns logits, trains with
-      ``loss_fn="causal_lm"``, saves with ``save_pretrained(dir)`` and forwards unknown
-      attributes (``config``, ``vocab_size``, ...) to `model` (see ``set_original_model``).
-    - an ``nn.Sequential`` (or a single module) of the modules listed in
-      ``roundpipe.convert.SUPPORTED_MODULES``; each child becomes one pipeline layer and the
-      weights are copied.
+    1. Presets, unless ``use_sequential_preset=False``: a transformers
+       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` gets the engine's native preset (built from
+       ``model.config``, weights copied; takes input_ids, attention_mask, position_ids, returns
+       logits, trains with ``loss_fn="causal_lm"``, saves with save_pretrained); another
+       transformers causal LM of a known shape (GPT-2; Llama-like decoders such as
+       Qwen3-MoE) becomes an nn.Sequential of its own modules, run as Python layers, that
+       takes input_ids (and attention_mask) and returns logits. ``use_sequential_preset=True``
+       without a preset raises RoundPipeUnsupportedError (a NotImplementedError).
+    2. Otherwise upstream's recursion: a module in `skip_modules` stays as it is (on the CPU);
+       an nn.Sequential becomes a RoundPipe with its children as layers; a module with its
+       own forward whose own parameters are >= `lower_threshold` bytes or whose total size is
+       <= `upper_threshold` (default: total size / (devices + 1)) becomes a one-layer
+       RoundPipe (num_microbatch 1 below `lower_threshold`); an nn.ModuleList is wrapped
+       element by element; anything else is recursed into, its own forward running on the
+       calling thread. When the root itself was wrapped the result is that RoundPipe; else an
+       :class:`AutoRoundPipe` (forward only, as upstream). `override_config` maps modules to
+       their RoundPipeRunConfig.
 
-    Upstream's recursive wrapping of arbitrary modules (``skip_modules``, ``override_config``,
-    the thresholds) has no engine counterpart: `lower_threshold` and `upper_threshold` are
-    accepted and ignored, non-empty `skip_modules` / `override_config` are refused, and so is
-    ``use_sequential_preset=False`` for a Hugging Face model.
-
-    `host_memory` is :class:`RoundPipe`'s: ``"standard"`` (default) or ``"saving"`` (12 bytes
-    of host state per parameter; see RoundPipe); any other value raises ValueError before
-    anything is built. Extra keyword arguments go to :class:`RoundPipe` (e.g.
-    ``devices=("cpu", 2)``).
+    The result forwards unknown attributes to `model` (``set_original_model``). `host_memory`
+    is RoundPipe's (ValueError for other values, before anything is built); other keyword
+    arguments go to :class:`RoundPipe` (e.g. ``devices=("cpu", 2)``).
     """
     parse_host_memory(host_memory)  # fail before converting anything
     if name is None:
         name = call_site_name()
-    if skip_modules or override_config:
-        raise RoundPipeUnsupportedError("skip_modules and override_config need upstream's "
-                                        "recursive wrapping, which the C engine does not do. "
-                                        "Supported: %s." % SUPPORTED_INPUTS)
     if not isinstance(model, nn.Module):
         raise TypeError("wrap_model_to_roundpipe expects an nn.Module, got %s"
                         % type(model).__name__)
-    arch = hf_architecture(model)
-    if arch is not None:
-        if use_sequential_preset is False:
-            raise RoundPipeUnsupportedError(
-                "%s with use_sequential_preset=False needs recursive wrapping, which the C "
-                "engine does not do; leave use_sequential_preset at None or True to use the "
-                "engine's %s preset" % (type(model).__name__, arch))
-    else:
+    model_run_config = model_run_config or RoundPipeRunConfig()
+    override_config = dict(override_config or {})
+    kwargs = dict(roundpipe_kwargs, host_memory=host_memory)
+
+    def build(module, config, suffix=""):
+        return RoundPipe(module, name=name + suffix, model_run_config=config, **kwargs)
+
+    if use_sequential_preset is not False:
+        if hf_architecture(model) is not None:
+            wrapped = build(model, model_run_config)
+            wrapped.set_original_model(model)
+            return wrapped
+        preset = sequential_preset(model)
+        if preset is not None:
+            wrapped = build(preset, model_run_config)
+            wrapped.set_original_model(model)
+            return wrapped
         if use_sequential_preset is True:
-            raise RoundPipeUnsupportedError("no Sequential preset exists for %s (presets: %s)"
-                                            % (type(model).__name__, ", ".join(HF_ARCHITECTURES)))
-        convert_module(model)  # raises, listing what is supported, before anything is built
-    wrapped = RoundPipe(model, name=name,
-                        model_run_config=model_run_config or RoundPipeRunConfig(),
-                        host_memory=host_memory, **roundpipe_kwargs)
-    wrapped.set_original_model(model)
-    return wrapped
+            raise RoundPipeUnsupportedError(
+                "no Sequential preset exists for %s (native presets: %s; Python presets: "
+                "GPT-2 and Llama-like transformers causal LMs)"
+                % (type(model).__name__, ", ".join(HF_ARCHITECTURES)))
+
+    total = _bytes(itertools.chain(model.parameters(), model.buffers()))
+    if upper_threshold is None:
+        upper_threshold = total / (_device_count(roundpipe_kwargs.get("devices")) + 1)
+    skip = list(skip_modules)
+    inner = []
+
+    def wrap(module, suffix):
+        if any(module is s for s in skip):
+            return module
+        config = override_config.get(module, model_run_config)
+        size = _bytes(itertools.chain(module.parameters(), module.buffers()))
+        if isinstance(module, nn.Sequential):
+            rp = build(module, config, suffix)
+        elif _has_own_forward(module) and (
+                _bytes(module.parameters(recurse=False)) >= lower_threshold
+                or size <= upper_threshold):
+            if size < lower_threshold and module not in override_config:
+                config = RoundPipeRunConfig(num_microbatch=1)
+            rp = build(module, config, suffix)
+        else:
+            if isinstance(module, nn.ModuleList) or not _has_own_forward(module) \
+                    or len(list(module.children())):
+                for child_name, child in list(module.named_children()):
+                    wrapped = wrap(child, "%s.%s" % (suffix, child_name))
+                    if wrapped is not child:
+                        setattr(module, child_name, wrapped)
+            return module
+        inner.append(rp)
+        return rp if module is model else RoundPipeModule(rp)
+
+    result = wrap(model, "")
+    if isinstance(result, RoundPipe):
+        result.set_original_model(model)
+        return result
+    return AutoRoundPipe(result, inner)
+
+
+def _device_count(devices):
+    """Worker devices a model built with `devices` would have (upstream: GPUs)."""
+    parsed = parse_devices(devices)
+    if parsed is not None and parsed[1] > 0:
+        return parsed[1]
+    from . import cuda_device_count
+    return max(1, cuda_device_count())
