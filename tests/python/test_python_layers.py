@@ -454,3 +454,51 @@ class BlockWithNorm(nn.Module):
 
     def forward(self, x):
         return self.norm(torch.relu(self.lin(x)))
+
+
+# ------------------------------------------------------------------------------------------------
+# wrap_model_to_roundpipe's recursion: a ModuleList model
+# ------------------------------------------------------------------------------------------------
+
+
+class ModuleListNet(nn.Module):
+    """A model that loops over an nn.ModuleList in its own forward (not a Sequential)."""
+
+    def __init__(self, dim=64, depth=3):
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList([BlockWithNorm(dim) for _ in range(depth)])
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+def test_module_list_model_through_wrap_model_to_roundpipe():
+    """Upstream's recursion: the root has too few parameters of its own and is too large, so
+    its children are wrapped: the Linear adapters as one-layer RoundPipes (num_microbatch 1,
+    being small), the ModuleList element by element; the root's own loop runs on the calling
+    thread (AutoRoundPipe: forward, no fused forward_backward, as upstream)."""
+    torch.manual_seed(0)
+    net = ModuleListNet()
+    ref = copy.deepcopy(net)
+    wrapped = roundpipe.wrap_model_to_roundpipe(net, devices=DEVICES)
+    assert isinstance(wrapped, roundpipe.AutoRoundPipe)
+    assert len(wrapped.roundpipes) == 5  # inp, 3 blocks, out
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), ref.eval()(x), rtol=RTOL, atol=ATOL)
+    with pytest.raises(roundpipe.RoundPipeUnsupportedError):
+        wrapped.forward_backward((x,))
+    # skip_modules keeps a module as it is; a Sequential root is one multi-layer RoundPipe
+    net2 = ModuleListNet()
+    auto = roundpipe.wrap_model_to_roundpipe(net2, devices=DEVICES, skip_modules=[net2.out])
+    assert len(auto.roundpipes) == 4 and isinstance(net2.out, nn.Linear)
+    auto.close()
+    wrapped.close()
+    seq = nn.Sequential(nn.Linear(4, 8), BlockWithNorm(8), nn.Linear(8, 2))
+    with roundpipe.wrap_model_to_roundpipe(seq, devices=DEVICES) as model:
+        assert isinstance(model, roundpipe.RoundPipe) and model.num_layers == 3

@@ -69,6 +69,7 @@ class CallState:
         self.training = training
         self.specs = {}  # (microbatch, layer index) -> Spec of that layer's outputs
         self.recompute = {}  # (microbatch, layer index) -> tuple saved for recompute
+        self.outputs = {}  # (microbatch, layer index) -> [(shape, dtype)] of the forward
         self.exc = None
 
     def fail(self, where, exc):
@@ -299,7 +300,11 @@ class PythonLayer:
             raise TypeError("the next layer is a built-in engine layer, which takes one tensor;"
                             " this module returned %s with %d tensors"
                             % (type(result).__name__, len(outputs)))
+        if phase == RP_PHASE_RECOMPUTE:
+            _check_recompute(state.outputs.get((mb, self.index)), outputs)
         state.specs[(mb, self.index)] = spec
+        if phase == RP_PHASE_FORWARD and lend.training:
+            state.outputs[(mb, self.index)] = [(t.shape, t.dtype) for t in outputs]
         for t in outputs:
             _push(out_outputs, owned_copy_if_lent(t, lent))
         if grad:
@@ -345,6 +350,23 @@ class PythonLayer:
             _push(out_input_grads, None if g is None else owned_copy_if_lent(g, lent))
         for g in p_grads:
             _push(out_param_grads, None if g is None else owned_copy_if_lent(g, lent))
+
+
+def _check_recompute(forward, outputs):
+    """The recompute must return what the forward returned (the engine routes the backward
+    by the forward's outputs): same number of tensors, shapes and dtypes."""
+    if forward is None:
+        return
+    got = [(t.shape, t.dtype) for t in outputs]
+    if got != forward:
+        raise ValueError("the recompute returned %s, the forward returned %s (a layer must "
+                         "compute the same outputs in both; save_for_recompute keeps data "
+                         "that must not change)" % (_describe(got), _describe(forward)))
+
+
+def _describe(outputs):
+    return "%d tensors [%s]" % (len(outputs), ", ".join(
+        "%s %s" % (tuple(shape), str(dtype).replace("torch.", "")) for shape, dtype in outputs))
 
 
 def _push(tensor_list, tensor):
