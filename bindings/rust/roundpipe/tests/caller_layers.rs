@@ -347,3 +347,73 @@ fn a_failing_closure_fails_the_call_with_its_message() {
         seen.phases[1].load(Ordering::SeqCst) + seen.phases[2].load(Ordering::SeqCst)
     );
 }
+
+#[test]
+fn closure_layer_as_the_tail_stage() {
+    // linear 4 -> 4, then the closure layer: it runs in the fused tail (Tail, then backward).
+    let spec = r#"{"layers": [{"type": "linear", "in": 4, "out": 4},
+                              {"type": "caller", "def": 0}]}"#;
+    let seen = Arc::new(Seen::default());
+    let mut config = RunConfig::new().unwrap();
+    config.set_num_microbatch(M as i32).unwrap();
+    let mut options = ModelOptions::new().unwrap();
+    options
+        .set_devices(DeviceKind::Cpu, 2)
+        .unwrap()
+        .set_stage_plan(&[1, 1])
+        .unwrap()
+        .set_run_config(Some(&config))
+        .unwrap();
+    let mut model =
+        Model::with_layers(spec, vec![affine_layer(Arc::clone(&seen))], Some(&options)).unwrap();
+    let x = data(21, N * D);
+    let t = data(22, N * D);
+    model.synchronize().unwrap();
+    let lw = to_f64(&read(&mut model, "0.weight", false));
+    let lb = to_f64(&read(&mut model, "0.bias", false));
+
+    // By hand: h = x W^T + c, y = h w s + b; MSE of each microbatch (2 rows x 4), summed.
+    let per_mb = ((N / M) * D) as f64;
+    let (mut want_loss, mut dw) = (0.0, vec![0.0; D]);
+    for r in 0..N {
+        for j in 0..D {
+            let h = lb[j]
+                + (0..D)
+                    .map(|k| x[r * D + k] as f64 * lw[j * D + k])
+                    .sum::<f64>();
+            let y = h * W0[j] as f64 * S0[j] as f64 + B0[j] as f64;
+            let d = y - t[r * D + j] as f64;
+            want_loss += d * d / per_mb;
+            dw[j] += 2.0 * d / per_mb * h * S0[j] as f64;
+        }
+    }
+    let xt = Tensor::new(&x, &[N as i64, D as i64]).unwrap();
+    let tt = Tensor::new(&t, &[N as i64, D as i64]).unwrap();
+    let loss = model
+        .forward_backward(
+            &[&xt],
+            Some(&tt),
+            Some(&Loss::new(LossKind::Mse).unwrap()),
+            None,
+        )
+        .unwrap();
+    assert!(
+        (loss - want_loss).abs() <= TOL * want_loss.abs(),
+        "{} vs {}",
+        loss,
+        want_loss
+    );
+    model.synchronize().unwrap();
+    assert_close(
+        &read(&mut model, "1.w", true),
+        &dw,
+        "gradient of 1.w (tail)",
+    );
+    assert_eq!(seen.phases[0].load(Ordering::SeqCst), 0);
+    assert_eq!(seen.phases[1].load(Ordering::SeqCst), 0);
+    assert_eq!(seen.phases[2].load(Ordering::SeqCst), M);
+    assert_eq!(seen.backward.load(Ordering::SeqCst), M);
+    assert_eq!(seen.contexts_dropped.load(Ordering::SeqCst), M);
+    // The tail is a non-recompute forward: it updates the buffer once per microbatch.
+    assert_eq!(read(&mut model, "1.seen", false), vec![M as f32]);
+}
