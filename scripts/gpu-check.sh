@@ -9,7 +9,9 @@
 # CUDA major version, unzipped there; an ignored folder a device call can carry), and in the
 # wheel's place in python3's site-packages. RP_GPU_SANITIZE=0 skips that step;
 # RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
-# 1800) bounds each tool's run.
+# 1800) bounds each tool's run; RP_GPU_SANITIZE_TOOLS (default "memcheck racecheck") picks the
+# tools. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu),
+# leaves steps out, so that one device call can spend its time on the sanitizer alone.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/rp-gpu-check}
@@ -29,6 +31,7 @@ python3 -c 'import torch;print("torch", torch.__version__, "cuda", torch.version
 status=ok
 step() { # name, command...
   local name=$1; shift
+  if [[ ",${RP_GPU_SKIP:-}," == *",$name,"* ]]; then echo "$name: skipped (RP_GPU_SKIP)"; return 0; fi
   local t0=$SECONDS
   if "$@" > "$out/$name.log" 2>&1; then echo "$name: ok ($((SECONDS - t0)) s)"; else echo "$name: FAILED ($((SECONDS - t0)) s), see $name.log"; status=failed; return 1; fi
 }
@@ -48,7 +51,8 @@ step example_gpu "$build/examples/c/train_mlp" --device auto
 # The gpu tests under compute-sanitizer, once per tool. Each process writes its own report
 # (sanitizer_<tool>.<pid>.txt); a test with an error exits 1 (--error-exitcode), so ctest's own
 # log names it. The libtorch caching allocator stays on (the memory-cap tests need it), so
-# memcheck sees overruns of whole allocations, not of tensors inside one.
+# memcheck sees overruns of whole allocations, not of tensors inside one. RP_TEST_UNDER_SANITIZER
+# tells the tests; the one that only measures numerics over hundreds of steps skips itself.
 find_compute_sanitizer() {
   local c site
   site=$(python3 -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
@@ -70,9 +74,9 @@ elif ! cs=$(find_compute_sanitizer); then
 else
   "$cs" --version > "$out/sanitizer_version.txt" 2>&1
   sanitizer_line=""
-  for tool in memcheck racecheck; do
+  for tool in ${RP_GPU_SANITIZE_TOOLS:-memcheck racecheck}; do
     rm -f "$out/sanitizer_$tool".*.txt
-    step "sanitizer_$tool" env -u RP_TRACE_OUT timeout --kill-after=30 "${RP_GPU_SANITIZE_TIMEOUT:-1800}" \
+    step "sanitizer_$tool" env -u RP_TRACE_OUT RP_TEST_UNDER_SANITIZER=1 timeout --kill-after=30 "${RP_GPU_SANITIZE_TIMEOUT:-1800}" \
       "$cs" --tool "$tool" --target-processes all --error-exitcode 1 --print-limit 200 \
       --log-file "$out/sanitizer_$tool.%p.txt" \
       ctest --test-dir "$build" -L gpu ${RP_GPU_SANITIZE_TESTS:+-R "$RP_GPU_SANITIZE_TESTS"} --output-on-failure
@@ -84,7 +88,7 @@ else
   done
 fi
 
-gpu_line=$(grep -E "tests passed|tests failed" "$out/gpu_tests.log" | tail -1)
-cpu_line=$(grep -E "tests passed|tests failed" "$out/cpu_tests.log" | tail -1)
+gpu_line=$(grep -E "tests passed|tests failed" "$out/gpu_tests.log" 2>/dev/null | tail -1)
+cpu_line=$(grep -E "tests passed|tests failed" "$out/cpu_tests.log" 2>/dev/null | tail -1)
 echo "SUMMARY: $status; gpu: ${gpu_line:-none}; cpu: ${cpu_line:-none}; compute-sanitizer: $sanitizer_line; device: $(head -1 "$out/gpu.txt")"
 [ "$status" = ok ]

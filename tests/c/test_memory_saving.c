@@ -244,6 +244,12 @@ static void sgd_momentum_follows_the_reference_within_bf16_buffer(void **state) 
  *    The curve, as plotted, is the mean over each window of 10 steps: within 1% (the issue's
  *    criterion); single steps within 3%. */
 static void loss_curve_stays_within_one_percent_over_200_steps(void **state) {
+    // A statement about numerics, not memory safety: under compute-sanitizer (scripts/gpu-check.sh)
+    // its 400 training steps would take most of a device call, so the sanitizer run leaves it out.
+    if (getenv("RP_TEST_UNDER_SANITIZER")) {
+        skip();
+        return;
+    }
     (void)state;
     enum { STEPS = 200, WINDOW = 10 };
     const int32_t dtypes[2] = {RP_DTYPE_F32, RP_DTYPE_BF16};
