@@ -499,5 +499,8 @@ def test_wrapped_model_with_tensors_the_engine_has_no_place_for_is_refused():
     with pytest.raises(RoundPipeUnsupportedError, match="model.extra.weight"):
         wrap(hf)
     hf = tiny_hf_model("qwen3")
-    with pytest.raises(RoundPipeUnsupportedError, match="use_sequential_preset"):
-        roundpipe.wrap_model_to_roundpipe(hf, use_sequential_preset=False)
+    # without the preset, upstream's recursion: the decoder layers become RoundPipes inside
+    # the model, whose own forward runs in Python (AutoRoundPipe: no fused forward_backward)
+    with roundpipe.wrap_model_to_roundpipe(hf, use_sequential_preset=False,
+                                           devices=DEVICES) as auto:
+        assert isinstance(auto, roundpipe.AutoRoundPipe)

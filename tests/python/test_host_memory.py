@@ -157,7 +157,7 @@ def test_bad_host_memory_raises_value_error_before_anything_is_built(bad, monkey
     def no_conversion(module):
         raise AssertionError("the module was converted")
 
-    monkeypatch.setattr(roundpipe.wrap, "convert_module", no_conversion)
+    monkeypatch.setattr(roundpipe.wrap, "sequential_preset", no_conversion)
     with pytest.raises(ValueError, match='"standard" or "saving"'):
         roundpipe.wrap_model_to_roundpipe(mlp(), devices=DEVICES, host_memory=bad)
     assert len(roundpipe._internals._live_models) == live

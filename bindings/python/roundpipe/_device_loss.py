@@ -79,3 +79,22 @@ def _loss_entry(out_loss, out_grads, call, outputs, n_outputs, labels, user_data
 
 
 DEVICE_LOSS_TRAMPOLINE = _capi.rp_device_loss_fn(_loss_entry)
+
+
+def python_loss(scope, loss_fn, labels, state, last_python_index):
+    """The rp_loss of a Python loss_fn for one call (owned by `scope`'s caller): on the device
+    with torch autograd, or, with a library from before device losses, the older callback on
+    fp32 CPU copies of the outputs. `last_python_index`: the index of the last layer when it
+    is a Python layer (its outputs are pytrees), else None (one tensor)."""
+    from ._capi import missing_layer_api
+    from ._callbacks import LossCall
+    from ._internals import Loss
+    from ._pytree import flatten
+    if missing_layer_api() is not None:
+        return Loss.callback(scope.register(LossCall(loss_fn, labels)))
+    if last_python_index is None:
+        single = flatten(torch.empty(0))[1]
+        spec_of = lambda mb: single  # noqa: E731
+    else:
+        spec_of = lambda mb: state.specs[(mb, last_python_index)]  # noqa: E731
+    return Loss.device_callback(scope.register(DeviceLossCall(loss_fn, labels, spec_of)))

@@ -18,7 +18,7 @@ from torch import nn
 from ._args import (LOSSES, BuiltinLoss, HostStateBytes, builtin_loss, call_site_name,
                     parse_devices, parse_dtype, parse_grad_scaler, parse_host_memory,
                     parse_pin_model)
-from ._callbacks import LossCall, StepCall, registry
+from ._callbacks import StepCall, registry
 from ._capi import kDLCPU
 from ._dlpack import BorrowedInputs
 from ._internals import CallScope, Loss, Model, ModelOptions, Params, RunConfig
@@ -28,10 +28,8 @@ from .config import _GRAINS, RoundPipeRunConfig
 from .convert import resolve_model
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
 from .hf import hf_inputs, module_weights
-from ._capi import missing_layer_api
-from ._device_loss import DeviceLossCall
+from ._device_loss import python_loss
 from ._module_sync import copy_into_module, module_tensors
-from ._pytree import flatten
 from ._tree_call import layer_call, tree_inputs, tree_outputs
 from .optim import BuiltinOptimizer
 
@@ -45,8 +43,10 @@ class RoundPipe:
 
     Args:
         model: what to run: a JSON layer spec (dict, list of layer dicts, JSON text or path of a
-            .json file; see docs/semantics.md); an ``nn.Sequential`` of supported modules (its
-            weights are copied); a transformers ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``
+            .json file; see docs/semantics.md); any ``nn.Module``: an ``nn.Sequential``'s
+            children are the layers, any other module is one layer; modules the engine
+            implements run natively, every other one as a Python layer (functional_call over
+            the parameters the engine lends, torch autograd), passing any pytree on; a transformers ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``
             (built from its config, weights copied); a Hugging Face model directory
             (config.json and safetensors weights; config.json alone gives random weights); or a
             Hugging Face config (dict or JSON text with "architectures", or a transformers
@@ -372,13 +372,6 @@ class RoundPipe:
                                 resolved.num_microbatch, py.merge_output, merge)
         return merge_outputs(tensors, py.merge_output, merge)
 
-    def _output_spec(self, state):
-        """microbatch -> Spec of the model's outputs (what a Python loss_fn receives)."""
-        if self._tree_outputs:
-            last = self._python_layers[-1].index
-            return lambda mb: state.specs[(mb, last)]
-        single = flatten(torch.empty(0))[1]
-        return lambda mb: single
 
     def forward(self, *args, roundpipe_run_config=None, **kwargs):
         """Inference: split the inputs into microbatches, run them through the pipeline on the
@@ -415,9 +408,10 @@ class RoundPipe:
                 None means "causal_lm"), "mse", "cross_entropy", "causal_lm" (the mean token
                 cross entropy over the batch's targets, fused into the LM head), a
                 BuiltinLoss, or a Python callable ``loss_fn(outputs, labels) -> loss tensor``
-                (or a sequence of loss tensors) called once per microbatch with that
-                microbatch's outputs (a fresh fp32 CPU tensor) and labels; the binding
-                back-propagates through it with torch autograd. Exceptions it raises abort the
+                (or a sequence of loss tensors) called once per microbatch, on the device
+                where the tail stage ran, with that microbatch's outputs (their pytree, in the
+                model dtype) and labels (any pytree, split by the binding, tensors moved to
+                that device); the binding back-propagates through it with torch autograd. Exceptions it raises abort the
                 call and are re-raised here; the model stays usable and no gradient of the call
                 is kept.
             return_outputs: also return the merged outputs (not with "causal_lm", which
@@ -448,7 +442,8 @@ class RoundPipe:
             else:  # the binding splits the labels (any pytree) for the Python loss_fn
                 labels = None if label is None else \
                     split_label(label, py.split_label, resolved.num_microbatch)
-                loss = scope.own(self._python_loss(scope, loss_fn, labels, state))
+                loss = scope.own(python_loss(scope, loss_fn, labels, state, self._python_layers
+                                             [-1].index if self._tree_outputs else None))
             inputs = BorrowedInputs(tensors)
             labels_in = BorrowedInputs([engine_label]) if engine_label is not None else None
             value, outputs = scope.run(model.forward_backward, inputs,
@@ -458,14 +453,6 @@ class RoundPipe:
             if return_outputs:
                 return value, self._outputs(outputs.to_torch(), py, resolved, merge, state)
             return value
-
-    def _python_loss(self, scope, loss_fn, labels, state):
-        """A Python loss_fn: on the device with torch autograd (rp_device_loss_fn), or, with a
-        library from before device losses, on fp32 CPU copies of the outputs."""
-        if missing_layer_api() is None:
-            return Loss.device_callback(scope.register(
-                DeviceLossCall(loss_fn, labels, self._output_spec(state))))
-        return Loss.callback(scope.register(LossCall(loss_fn, labels)))
 
     # -- optimizer ----------------------------------------------------------------------------
 

@@ -159,7 +159,8 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
             rp = build(module, config, suffix)
         elif _has_own_forward(module) and (
                 _bytes(module.parameters(recurse=False)) >= lower_threshold
-                or size <= upper_threshold):
+                or size <= upper_threshold or not len(list(module.children()))):
+            # (a module without children cannot be recursed into: it is one layer)
             if size < lower_threshold and module not in override_config:
                 config = RoundPipeRunConfig(num_microbatch=1)
             rp = build(module, config, suffix)
