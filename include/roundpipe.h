@@ -607,6 +607,11 @@ RP_API rp_status rp_tensor_list_push(rp_tensor_list *list, DLManagedTensor *tens
  * Buffers changed in place by RP_PHASE_FORWARD or RP_PHASE_TAIL are written back to host memory
  * at the end of the stage.
  *
+ * Errors: a callback that returns non-zero, or whose results are malformed (a wrong number of
+ * outputs or gradients, a gradient of the wrong shape or dtype, a gradient for a frozen
+ * parameter, a recompute whose outputs differ from the forward's), fails the call with
+ * RP_ERR_CALLBACK and a message naming the layer; nothing of that call is accumulated.
+ *
  * Threads and streams: callbacks run on a device worker thread of the model (or an autograd
  * thread for backward), one device at a time per thread but possibly concurrently for different
  * devices. Launch GPU work on the stream rp_layer_call_info gives (the engine orders it against
@@ -727,8 +732,9 @@ RP_API rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type
 
 /**
  * The layer's parameters and buffers on the device, in declaration order, in their held dtype;
- * borrowed, valid until the callback returns. Do not write parameters; write buffers only in
- * RP_PHASE_FORWARD and RP_PHASE_TAIL. Any out-parameter may be NULL.
+ * borrowed, valid until the callback returns. Do not write parameters. Buffers are meant to be
+ * written in place (their data is writable although the struct is const), in RP_PHASE_FORWARD
+ * and RP_PHASE_TAIL only. Any out-parameter may be NULL.
  */
 RP_API rp_status rp_layer_call_tensors(const DLManagedTensor *const **out_params,
                                        size_t *out_n_params,

@@ -200,6 +200,39 @@ Activation detached(const Activation &xs) {
     return out;
 }
 
+// A recompute must give what the forward gave: the gradients arriving from the next stage (or
+// layer) were computed for the forward's outputs. Caller-defined code can break this (outputs
+// that depend on state the forward changed); say where instead of failing inside autograd.
+void check_recompute_matches(const Activation &ys, const Activation &grads,
+                             const std::string &where) {
+    auto differs = [&](const std::string &what) {
+        fail(ErrorKind::Callback, where + ": the recompute gave outputs that differ from the "
+                                          "forward's (" + what + "); a layer's outputs must not "
+                                          "change between its forward and its recompute");
+    };
+    if (ys.size() != grads.size())
+        differs(std::to_string(ys.size()) + " outputs, the forward gave " +
+                std::to_string(grads.size()));
+    for (size_t i = 0; i < ys.size(); ++i) {
+        if (!grads[i].defined() || !ys[i].defined())
+            continue;
+        if (ys[i].sizes() != grads[i].sizes())
+            differs("output " + std::to_string(i) + " has shape " + c10::str(ys[i].sizes()) +
+                    ", the forward's " + c10::str(grads[i].sizes()));
+        if (at::isFloatingType(ys[i].scalar_type()) != at::isFloatingType(grads[i].scalar_type()))
+            differs("output " + std::to_string(i) + " is " +
+                    std::string(c10::toString(ys[i].scalar_type())) + ", the forward's " +
+                    std::string(c10::toString(grads[i].scalar_type())));
+    }
+}
+
+std::string layers_of(const CallContext &ctx, size_t first, size_t end) {
+    std::string s = end - first == 1 ? "layer " : "layers ";
+    for (size_t l = first; l < end; ++l)
+        s += (l > first ? ", " : "") + std::to_string(l) + " (" + ctx.layers[l]->type() + ")";
+    return s;
+}
+
 // Back-propagates from every output that has a graph and a gradient.
 void backward_if_needed(const Activation &ys, const Activation &grads) {
     std::vector<at::Tensor> roots, seeds;
@@ -272,6 +305,7 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
         if (ctx.grain == RecomputeGrain::Stage) {
             maybe_require_grad(x, s > 0);
             Activation y = run_stage(ctx, w, stage, x, extras, Phase::Recompute);
+            check_recompute_matches(y, g, layers_of(ctx, stage.first_layer, stage.end_layer));
             backward_if_needed(y, g);
             g = grads_of(x);
         } else {
@@ -292,6 +326,7 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
                 layer_inputs[l - stage.first_layer].clear();
                 maybe_require_grad(xi, l > stage.first_layer || s > 0);
                 Activation y = run_layer(ctx, w, stage, l, xi, extras, Phase::Recompute);
+                check_recompute_matches(y, g, layers_of(ctx, l, l + 1));
                 backward_if_needed(y, g);
                 g = grads_of(xi);
             }
