@@ -27,6 +27,10 @@ class DeviceLossCall:
 
     def compute(self, out_loss, out_grads, call, outputs, n_outputs, labels_ptr):
         lend = LayerCall(call, with_tensors=False)
+        with lend.on_device():  # label copies, autograd and the exported copies: lent stream
+            self._compute(lend, out_loss, out_grads, outputs, n_outputs, labels_ptr)
+
+    def _compute(self, lend, out_loss, out_grads, outputs, n_outputs, labels_ptr):
         lent = [borrow(outputs[i]) for i in range(n_outputs)]
         leaves = [t.detach().requires_grad_() if t.is_floating_point() else t for t in lent]
         if self.labels is not None:
@@ -34,7 +38,7 @@ class DeviceLossCall:
         else:
             label = copy_borrowed(labels_ptr) if labels_ptr else None
         value = self.output_spec(lend.microbatch).unflatten(leaves)
-        with lend.on_device(seeded=False), torch.enable_grad():
+        with torch.enable_grad():
             result = self.fn(value, label)
             losses = [result] if isinstance(result, torch.Tensor) else list(result)
             for loss in losses:

@@ -45,12 +45,23 @@ class DecoderInput(nn.Module):
         return embeds, mask, position_ids, self.rotary_emb(embeds, position_ids=position_ids)
 
 
+def _no_grad(value):
+    """`value` (a tensor, a tuple of tensors or None) detached: the mask and the rotary tables
+    come from positions, the attention mask and buffers, never from a trainable parameter, so
+    they carry no gradient. Detached, the recompute neither computes their gradient (a
+    reduction over heads and tokens per layer) nor passes one back through every block."""
+    if isinstance(value, tuple):
+        return tuple(_no_grad(v) for v in value)
+    return value.detach() if hasattr(value, "detach") else value
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, layer):
         super().__init__()
         self.layer = layer
 
     def forward(self, hidden, mask, position_ids, position_embeddings):
+        mask, position_embeddings = _no_grad(mask), _no_grad(position_embeddings)
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
                          position_embeddings=position_embeddings, use_cache=False)
         return (out[0] if isinstance(out, tuple) else out), mask, position_ids, \
@@ -86,6 +97,7 @@ class GPT2Block(nn.Module):
         self.block = block
 
     def forward(self, hidden, mask):
+        mask = _no_grad(mask)
         out = self.block(hidden, None, mask, use_cache=False)
         return (out[0] if isinstance(out, tuple) else out), mask
 

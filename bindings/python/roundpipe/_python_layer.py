@@ -110,24 +110,37 @@ class LayerCall:
             self.buffers = [borrow(b_arr[i]) for i in range(n_b.value)]
 
     @contextlib.contextmanager
-    def on_device(self, seeded):
-        """Run torch work on the lent device and stream; `seeded`: with the random generator
-        of that device seeded from the call's seed (restored afterwards)."""
+    def on_device(self, seeded=False):
+        """Run torch work on the lent device and stream (every kernel and copy of a callback
+        goes there: the engine orders its transfers against that stream only, and torch's
+        legacy default stream would serialise against the whole device); `seeded`: with the
+        random generator of that device seeded from the call's seed (see seeded_rng)."""
         if not self.cuda:
             with contextlib.ExitStack() as stack:
                 if seeded:
-                    stack.enter_context(_CPU_RNG_LOCK)
-                    stack.enter_context(torch.random.fork_rng(devices=[]))
-                    torch.random.default_generator.manual_seed(self.seed)
+                    stack.enter_context(self.seeded_rng())
+                yield
+            return
+        stream = torch.cuda.ExternalStream(self.stream, device=self.device) if self.stream \
+            else torch.cuda.default_stream(self.device)
+        with torch.cuda.device(self.device.index), torch.cuda.stream(stream), \
+                contextlib.ExitStack() as stack:
+            if seeded:
+                stack.enter_context(self.seeded_rng())
+            yield
+
+    @contextlib.contextmanager
+    def seeded_rng(self):
+        """The random generator of the call's device seeded from the call's seed, restored
+        afterwards (host-side generator state only: no device work, no synchronisation)."""
+        if not self.cuda:
+            with _CPU_RNG_LOCK, torch.random.fork_rng(devices=[]):
+                torch.random.default_generator.manual_seed(self.seed)
                 yield
             return
         index = self.device.index
-        stream = torch.cuda.ExternalStream(self.stream, device=self.device) if self.stream \
-            else torch.cuda.default_stream(self.device)
-        with torch.cuda.device(index), torch.cuda.stream(stream), contextlib.ExitStack() as st:
-            if seeded:
-                st.enter_context(torch.random.fork_rng(devices=[index]))
-                torch.cuda.manual_seed(self.seed)  # the current device only
+        with torch.random.fork_rng(devices=[index]):
+            torch.cuda.manual_seed(self.seed)  # the current device only
             yield
 
 
@@ -245,8 +258,12 @@ class PythonLayer:
         return (value if type(value) is tuple else (value,)), {}
 
     def forward(self, out_outputs, inout_context, call_ptr, inputs, n_inputs):
-        state = self.runtime.state
         lend = LayerCall(call_ptr)
+        with lend.on_device():  # clones, copies and exports too, not only the module's work
+            self._forward(lend, out_outputs, inout_context, inputs, n_inputs)
+
+    def _forward(self, lend, out_outputs, inout_context, inputs, n_inputs):
+        state = self.runtime.state
         phase, mb = lend.phase, lend.microbatch
         grad = phase != RP_PHASE_FORWARD
         lent_inputs = [borrow(inputs[i]) for i in range(n_inputs)]
@@ -286,7 +303,7 @@ class PythonLayer:
         run = _Run(state.recompute, (mb, self.index),
                    recording=phase == RP_PHASE_FORWARD and lend.training,
                    recomputing=phase == RP_PHASE_RECOMPUTE)
-        with lend.on_device(seeded=True), _running(run), torch.set_grad_enabled(grad), \
+        with lend.seeded_rng(), _running(run), torch.set_grad_enabled(grad), \
                 contextlib.ExitStack() as stack:
             if grad:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ctx.pack,
@@ -323,6 +340,11 @@ class PythonLayer:
         if ctx is None:
             raise RuntimeError("backward without a context")
         lend = LayerCall(call_ptr)
+        with lend.on_device():
+            self._backward(lend, ctx, out_input_grads, out_param_grads, output_grads,
+                           n_outputs)
+
+    def _backward(self, lend, ctx, out_input_grads, out_param_grads, output_grads, n_outputs):
         lent_grads = [borrow(output_grads[i]) for i in range(n_outputs)]
         if n_outputs != len(ctx.outputs):
             raise RuntimeError("the engine gave %d output gradients for %d outputs"
@@ -337,9 +359,8 @@ class PythonLayer:
         leaves = [t for t in ctx.input_leaves + ctx.param_leaves if t is not None]
         ctx.backward_lend = (lend.params, lend.buffers)
         try:
-            with lend.on_device(seeded=False):
-                found = torch.autograd.grad(outs, leaves, gouts, allow_unused=True) \
-                    if outs and leaves else [None] * len(leaves)
+            found = torch.autograd.grad(outs, leaves, gouts, allow_unused=True) \
+                if outs and leaves else [None] * len(leaves)
         finally:
             ctx.backward_lend = None
         found = iter(found)

@@ -90,7 +90,7 @@ class AutoRoundPipe:
 def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024,
                             upper_threshold=None, skip_modules=(), override_config=None,
                             model_run_config=None, name=None, host_memory="standard",
-                            **roundpipe_kwargs):
+                            native_preset=True, **roundpipe_kwargs):
     """Wrap `model` into a RoundPipe (or an AutoRoundPipe), as upstream does.
 
     1. Presets, unless ``use_sequential_preset=False``: a transformers
@@ -101,6 +101,11 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
        Qwen3-MoE) becomes an nn.Sequential of its own modules, run as Python layers, that
        takes input_ids (and attention_mask) and returns logits. ``use_sequential_preset=True``
        without a preset raises RoundPipeUnsupportedError (a NotImplementedError).
+       ``native_preset=False`` (not upstream's) skips the native presets: a
+       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` then takes the Python Sequential preset too,
+       every layer running transformers' own code (to run transformers' exact modules, or to
+       compare the Python-layer path with the native one, as
+       bench/python_layers/qwen3_python_layers_bench.py does).
     2. Otherwise upstream's recursion: a module in `skip_modules` stays as it is (on the CPU);
        an nn.Sequential becomes a RoundPipe with its children as layers; a module with its
        own forward whose own parameters are >= `lower_threshold` bytes or whose total size is
@@ -129,7 +134,7 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
         return RoundPipe(module, name=name + suffix, model_run_config=config, **kwargs)
 
     if use_sequential_preset is not False:
-        if hf_architecture(model) is not None:
+        if native_preset and hf_architecture(model) is not None:
             wrapped = build(model, model_run_config)
             wrapped.set_original_model(model)
             return wrapped
