@@ -68,8 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5, help="timed iterations")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6, help="timed iterations (as run_gpu_bench.sh)")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--microbatches", type=int, default=None,
                    help="default: min(4, --batch) (4: the native engine's best 1.7B figure in "
                         "bench/RESULTS.md, stage grain, default memory cap)")
