@@ -126,7 +126,15 @@ at::Tensor adopt_dlpack_any(DLManagedTensor *tensor, const std::string &what, in
             tensor->deleter(tensor);
         throw;
     }
-    return at::fromDLPack(tensor);
+    at::Tensor t = at::fromDLPack(tensor);
+    // Memory from outside libtorch's caching allocator cannot be stream-ordered: the engine reads
+    // a callback's outputs and gradients on its download stream, and record_stream ignores memory
+    // it did not allocate, so the caller's allocator (PyTorch's, on the compute stream) could
+    // hand the block out again while the download still reads it. A copy on the current (compute)
+    // stream is the engine's own; the caller's tensor is released once the copy is enqueued.
+    if (t.is_cuda())
+        t = t.clone(at::MemoryFormat::Contiguous);
+    return t;
 }
 
 DLManagedTensor *export_dlpack(const at::Tensor &t) { return at::toDLPack(t); }
