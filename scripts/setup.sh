@@ -61,8 +61,8 @@ install_system_packages() {
 }
 
 # 2. Python packages. tqdm draws the binding's progress bars; matplotlib the examples' loss plots
-# and bench/plot_trace.py; transformers the Python tests against Hugging Face models (they skip
-# without it).
+# and bench/plot_trace.py; transformers the Python tests against Hugging Face models, peft the
+# LoRA tests (they skip without them).
 rp_python_extras_ok() {
     "$RP_PYTHON" -c 'import importlib.metadata as md; md.version("tqdm"); md.version("matplotlib")' \
         >/dev/null 2>&1
@@ -75,7 +75,7 @@ install_python_packages() {
     fi
     rp_log "installing torch==$RP_TORCH_VERSION, pytest, numpy, tqdm and matplotlib for $RP_PYTHON"
     "$RP_PYTHON" -m pip install --disable-pip-version-check --progress-bar off \
-        "torch==$RP_TORCH_VERSION" pytest numpy tqdm matplotlib transformers
+        "torch==$RP_TORCH_VERSION" pytest numpy tqdm matplotlib transformers peft
     rp_python_deps_ok && rp_python_extras_ok ||
         rp_die "torch $RP_TORCH_VERSION, pytest, numpy, tqdm or matplotlib still missing after pip"
 }
