@@ -885,6 +885,35 @@ RP_API rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outp
                                      size_t n_inputs, const DLManagedTensor *labels,
                                      const rp_loss *loss, const rp_run_config *config);
 
+/**
+ * Upstream's non-fused training, first half: a forward in training mode (dropout on, buffers
+ * updated) whose outputs can be back-propagated later by rp_backward, for a loss the caller
+ * computes itself (e.g. with autograd on the outputs). The model keeps what the backward needs
+ * (every stage's input, in host memory) until rp_backward, the next rp_forward_train, or a load.
+ * Outputs, inputs and configuration as for rp_forward.
+ * @return as rp_forward. Thread: the thread driving this model.
+ */
+RP_API rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model,
+                                  const DLManagedTensor *const *inputs, size_t n_inputs,
+                                  const rp_run_config *config);
+
+/**
+ * Second half: back-propagate the gradients of the last rp_forward_train's outputs and add the
+ * parameter gradients to the accumulated ones (every stage is recomputed, deepest first, with
+ * the forward's dropout masks). Once per rp_forward_train.
+ * @param output_grads borrowed, laid out as the forward returned its outputs (merged: one per
+ *        output; otherwise every output of microbatch 0, then of microbatch 1, ...), each of its
+ *        output's shape, floating point, in host memory or on a GPU of the model; NULL where an
+ *        output has no gradient.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (wrong count, shape or dtype: the forward's state is
+ *         kept, so a corrected call works); RP_ERR_STATE (no forward to back-propagate, or an
+ *         optimizer step ran since it); RP_ERR_CALLBACK, RP_ERR_OUT_OF_MEMORY, RP_ERR_CUDA as for
+ *         rp_forward_backward (the forward's state is then gone). If the call fails, no gradient
+ *         of it is accumulated. Thread: the thread driving this model.
+ */
+RP_API rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
+                             size_t n_grads);
+
 /* ---------------------------------------------------------------------------------------------
  * Optimizer
  * ------------------------------------------------------------------------------------------- */

@@ -269,6 +269,37 @@ rp_status rp_forward(rp_tensor_list **out_outputs, rp_model *model,
     });
 }
 
+rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model,
+                           const DLManagedTensor *const *inputs, size_t n_inputs,
+                           const rp_run_config *config) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_outputs, "out_outputs is NULL");
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_forward_train may not be called from a step callback");
+        std::vector<at::Tensor> in = borrow_inputs(inputs, n_inputs, input_gpus(m));
+        *out_outputs = make_output_list(m.forward_train(in, config_of(config)));
+    });
+}
+
+rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
+                      size_t n_grads) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(), "rp_backward may not be called from a step callback");
+        require_arg(n_grads == 0 || output_grads, "output_grads is NULL but n_grads > 0");
+        std::vector<at::Tensor> grads;
+        for (size_t i = 0; i < n_grads; ++i)
+            grads.push_back(output_grads[i] ? borrow_dlpack(output_grads[i],
+                                                            "output gradient " + std::to_string(i),
+                                                            input_gpus(m))
+                                            : at::Tensor());
+        m.backward(grads);
+    });
+}
+
 rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model,
                               const DLManagedTensor *const *inputs, size_t n_inputs,
                               const DLManagedTensor *labels, const rp_loss *loss,

@@ -285,6 +285,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.seed = seed_;
     ctx.call_index = training_calls_++;
     ctx.training = true;
+    ctx.kind = CallKind::Fused;
     ctx.grain = cfg.grain;
     ctx.loss = &scaled;
     ctx.output_device = cfg.output_device;
@@ -319,6 +320,154 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     if (outputs)
         *outputs = finish_outputs(std::move(ctx.outputs), cfg.merge_output, inputs);
     return total;
+}
+
+namespace {
+
+// The caller's memory is borrowed for one call; a forward whose backward comes later keeps its
+// own copy of the microbatch inputs (the first stage's recompute and the side inputs read them).
+Microbatches owned_copy(const Microbatches &mb) {
+    Microbatches out;
+    for (const auto &inputs : mb.inputs) {
+        std::vector<at::Tensor> copies;
+        for (const at::Tensor &t : inputs)
+            copies.push_back(t.clone());
+        out.inputs.push_back(std::move(copies));
+    }
+    out.labels.assign(out.inputs.size(), at::Tensor());
+    return out;
+}
+
+} // namespace
+
+std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inputs,
+                                             const RunConfig &call) {
+    timeline_.begin_call();
+    check_index_ranges(inputs, at::Tensor());
+    ResolvedRunConfig cfg = resolve_run_config(call);
+    Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
+    for (const auto &mb_inputs : mb.inputs)
+        check_shapes_once(mb_inputs, at::Tensor(), nullptr);
+    pending_.reset(); // a new forward replaces one whose backward never came
+    auto pending = std::make_unique<PendingBackward>();
+    pending->microbatches = owned_copy(mb);
+    pending->call_index = training_calls_++;
+    pending->grain = cfg.grain;
+    pending->merged = cfg.merge_output;
+    pending->step = enqueued_;
+    CallContext ctx{layers_, stages_, store_, pending->microbatches};
+    ctx.seed = seed_;
+    ctx.call_index = pending->call_index;
+    ctx.training = true;
+    ctx.kind = CallKind::ForwardKeep;
+    ctx.output_device = cfg.output_device;
+    ctx.grain = cfg.grain;
+    gate_call(ctx);
+    pipeline_.run(ctx);
+    pending->stage_inputs = std::move(ctx.stage_inputs);
+    for (const auto &outs : ctx.outputs) {
+        std::vector<std::vector<int64_t>> shapes;
+        for (const at::Tensor &t : outs)
+            shapes.push_back(t.sizes().vec());
+        pending->output_shapes.push_back(std::move(shapes));
+    }
+    pending_ = std::move(pending);
+    return finish_outputs(std::move(ctx.outputs), cfg.merge_output, inputs);
+}
+
+// The caller's gradients, as forward_train returned the outputs (merged: one per output; else
+// microbatch-major), split back into each microbatch's gradients.
+std::vector<Transfer> Model::split_output_grads(const PendingBackward &p,
+                                                const std::vector<at::Tensor> &grads) const {
+    const size_t M = p.output_shapes.size();
+    const size_t K = M ? p.output_shapes.front().size() : 0;
+    std::vector<Transfer> per_mb(M);
+    auto check = [&](const at::Tensor &g, const std::vector<int64_t> &shape, const std::string &what) {
+        require(at::isFloatingType(g.scalar_type()), what + " is not floating point");
+        require(g.sizes() == at::IntArrayRef(shape), what + " has shape " + c10::str(g.sizes()) +
+                                                         ", the output " +
+                                                         c10::str(at::IntArrayRef(shape)));
+    };
+    if (!p.merged) {
+        require(grads.size() == M * K, "rp_backward needs " + std::to_string(M * K) +
+                                           " gradients (one per output of each microbatch, as "
+                                           "the forward returned them), got " +
+                                           std::to_string(grads.size()));
+        for (size_t m = 0; m < M; ++m)
+            for (size_t k = 0; k < K; ++k) {
+                const at::Tensor &g = grads[m * K + k];
+                if (g.defined())
+                    check(g, p.output_shapes[m][k], "gradient " + std::to_string(m * K + k));
+                per_mb[m].tensors.push_back(g);
+            }
+        return per_mb;
+    }
+    require(grads.size() == K, "rp_backward needs " + std::to_string(K) +
+                                   " gradients (one per merged output), got " +
+                                   std::to_string(grads.size()));
+    for (size_t k = 0; k < K; ++k) {
+        const at::Tensor &g = grads[k];
+        const std::vector<int64_t> &first = p.output_shapes.front()[k];
+        if (!g.defined()) {
+            for (size_t m = 0; m < M; ++m)
+                per_mb[m].tensors.push_back(g);
+            continue;
+        }
+        if (first.empty()) { // 0-d outputs were averaged over the microbatches
+            check(g, first, "gradient " + std::to_string(k));
+            for (size_t m = 0; m < M; ++m)
+                per_mb[m].tensors.push_back(g / static_cast<double>(M));
+            continue;
+        }
+        std::vector<int64_t> merged = first;
+        merged[0] = 0;
+        std::vector<int64_t> rows;
+        for (size_t m = 0; m < M; ++m) {
+            rows.push_back(p.output_shapes[m][k][0]);
+            merged[0] += rows.back();
+        }
+        check(g, merged, "gradient " + std::to_string(k));
+        std::vector<at::Tensor> pieces = g.split_with_sizes(rows, 0);
+        for (size_t m = 0; m < M; ++m)
+            per_mb[m].tensors.push_back(pieces[m].contiguous());
+    }
+    return per_mb;
+}
+
+void Model::backward(const std::vector<at::Tensor> &output_grads) {
+    if (!pending_)
+        fail(ErrorKind::State, "no forward to back-propagate: run the training forward first "
+                               "(each one can be back-propagated once)");
+    if (pending_->step != enqueued_)
+        fail(ErrorKind::State, "an optimizer step ran since the training forward: its weights "
+                               "are gone; run the forward again");
+    std::vector<Transfer> grads = split_output_grads(*pending_, output_grads);
+    std::unique_ptr<PendingBackward> p = std::move(pending_); // consumed, also on failure
+    timeline_.begin_call();
+    const double scale = scaler_.enabled() ? scaler_.scale() : 1.0;
+    for (Transfer &t : grads)
+        for (at::Tensor &g : t.tensors)
+            if (g.defined() && scale != 1.0)
+                g = g * scale;
+    CallContext ctx{layers_, stages_, store_, p->microbatches};
+    ctx.seed = seed_;
+    ctx.call_index = p->call_index;
+    ctx.training = true;
+    ctx.kind = CallKind::BackwardOnly;
+    ctx.grain = p->grain;
+    ctx.stage_inputs = std::move(p->stage_inputs);
+    ctx.output_grads = std::move(grads);
+    ctx.gradients = &gradients_;
+    gate_call(ctx);
+    gradients_.begin_call(grads_zero_, 1.0 / scale);
+    try {
+        pipeline_.run(ctx);
+    } catch (...) {
+        gradients_.end_call(false);
+        throw;
+    }
+    gradients_.end_call(true);
+    grads_zero_ = false;
 }
 
 void Model::rethrow_step_error() {
@@ -475,6 +624,7 @@ void Model::zero_grad() {
 
 void Model::load_master(const std::vector<at::Tensor> &values) {
     synchronize();
+    pending_.reset(); // its stage inputs were computed with the old weights
     for (size_t i = 0; i < store_.size(); ++i)
         store_.at(i).master.copy_(values[i]);
     store_.refresh_live_from_master();

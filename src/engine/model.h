@@ -73,6 +73,16 @@ class Model {
                             const Loss &loss, const RunConfig &call,
                             std::vector<at::Tensor> *outputs);
 
+    // Upstream's non-fused training: a forward in training mode that keeps what a later
+    // backward() needs (every stage's input); outputs as forward() returns them.
+    std::vector<at::Tensor> forward_train(const std::vector<at::Tensor> &inputs,
+                                          const RunConfig &call);
+    // Back-propagates the caller's gradients of the last forward_train's outputs (as it returned
+    // them; undefined: none) and accumulates the parameter gradients. Once per forward_train;
+    // refused after an optimizer step or a load since that forward.
+    void backward(const std::vector<at::Tensor> &output_grads);
+    bool backward_pending() const { return pending_ != nullptr; }
+
     // Queues `update` (which changes master weights from step grads) as the next step.
     void step(StepUpdate update, bool async);
     void step_builtin(const OptimizerSettings &settings, bool async);
@@ -109,6 +119,19 @@ class Model {
     const std::string &name() const { return name_; }
 
   private:
+    // What a forward_train leaves for its backward.
+    struct PendingBackward {
+        Microbatches microbatches; // owned copies of the call's inputs
+        std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], host
+        std::vector<std::vector<std::vector<int64_t>>> output_shapes; // [mb][output]
+        uint64_t call_index = 0; // dropout masks of the recompute match the forward's
+        RecomputeGrain grain = RecomputeGrain::Stage;
+        bool merged = true;
+        int64_t step = 0; // steps enqueued at the forward
+    };
+    std::vector<Transfer> split_output_grads(const PendingBackward &p,
+                                             const std::vector<at::Tensor> &grads) const;
+
     void check_output_device(const at::Device &d) const;
     void check_index_ranges(const std::vector<at::Tensor> &inputs, const at::Tensor &labels) const;
     std::vector<at::Tensor> finish_outputs(std::vector<std::vector<at::Tensor>> per_mb,
@@ -149,6 +172,7 @@ class Model {
     std::unique_ptr<BuiltinOptimizer> builtin_;
     GradScaler scaler_;
     StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds
+    std::unique_ptr<PendingBackward> pending_;
     StepRunner runner_; // last member: its thread stops first
 };
 

@@ -30,10 +30,13 @@ void Pipeline::run(CallContext &ctx) {
     const size_t S = ctx.stages.size();
     const size_t M = ctx.num_microbatches();
     // Forward only: one job per stage. Fused: S - 1 forward jobs, the tail, S - 1 backward jobs.
-    const size_t num_jobs = ctx.training ? 2 * S - 1 : S;
+    // BackwardOnly: S backward jobs, deepest stage first, on the stage inputs its forward kept.
+    const bool fused = ctx.kind == CallKind::Fused;
+    const size_t num_jobs = fused ? 2 * S - 1 : S;
     CallState state(num_jobs, M);
     ctx.state = &state;
-    ctx.stage_inputs.assign(S, std::vector<Transfer>(M));
+    if (ctx.kind != CallKind::BackwardOnly)
+        ctx.stage_inputs.assign(S, std::vector<Transfer>(M));
     ctx.outputs.assign(M, {});
     ctx.losses.assign(M, at::Tensor());
 
@@ -44,10 +47,13 @@ void Pipeline::run(CallContext &ctx) {
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
         const size_t device = (cursor_ + job) % G;
-        JobKind kind = !ctx.training || job + 1 < S ? JobKind::Forward
-                       : job + 1 == S              ? JobKind::Tail
-                                                   : JobKind::Backward;
-        size_t stage = kind == JobKind::Backward ? 2 * S - 2 - job : job;
+        JobKind kind = ctx.kind == CallKind::BackwardOnly ? JobKind::Backward
+                       : !fused || job + 1 < S           ? JobKind::Forward
+                       : job + 1 == S                    ? JobKind::Tail
+                                                         : JobKind::Backward;
+        size_t stage = kind != JobKind::Backward ? job
+                       : fused                   ? 2 * S - 2 - job
+                                                 : S - 1 - job;
         trace_.push_back({job, stage, device, kind, {}});
         DeviceLane &lane = workers_[device]->lane();
         // The prefetch (weight upload) and the run share the uploaded weights and any failure.

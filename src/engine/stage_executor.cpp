@@ -297,7 +297,11 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
     const Stage &stage = ctx.stages[s];
     at::AutoGradMode grad_mode(true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
-        Activation g = to_device(lane, ctx.state->take(job - 1, m), job, ctx.store.model_dtype());
+        // The first backward job of a BackwardOnly call starts from the caller's gradients.
+        Transfer incoming = ctx.kind == CallKind::BackwardOnly && job == 0
+                                ? std::move(ctx.output_grads[m])
+                                : ctx.state->take(job - 1, m);
+        Activation g = to_device(lane, incoming, job, ctx.store.model_dtype());
         Activation x = to_device(lane, ctx.stage_inputs[s][m], job, ctx.store.model_dtype());
         ctx.stage_inputs[s][m] = Transfer(); // recompute input no longer needed: free it
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);

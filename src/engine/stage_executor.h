@@ -21,6 +21,12 @@ namespace rp {
 
 enum class JobKind { Forward, Tail, Backward };
 
+// What a pipelined call runs: inference (forward stages); the fused training call (forward stages,
+// the tail, backward stages); or upstream's non-fused training split in two calls, a forward that
+// keeps every stage's input (training mode, no loss) and a later backward from the caller's
+// gradients of the outputs (every stage recomputed, deepest first).
+enum class CallKind { Inference, Fused, ForwardKeep, BackwardOnly };
+
 // Everything one pipelined call shares between its jobs. Each job writes only its own slots.
 struct CallContext {
     CallContext(const std::vector<std::unique_ptr<Layer>> &layers_, const std::vector<Stage> &stages_,
@@ -34,8 +40,11 @@ struct CallContext {
     uint64_t seed = 0;
     uint64_t call_index = 0;
     RecomputeGrain grain = RecomputeGrain::Stage;
-    bool training = false;
+    bool training = false; // training mode (dropout on); true for every kind but Inference
+    CallKind kind = CallKind::Inference;
     const Loss *loss = nullptr;
+    // BackwardOnly: per microbatch, the gradients of the last stage's outputs (undefined: none).
+    std::vector<Transfer> output_grads;
     at::Device output_device = at::Device(at::kCPU);
     bool keep_outputs = false;
     CallState *state = nullptr;
