@@ -253,7 +253,7 @@ def test_return_outputs_and_forward_match_the_module():
 
 def test_dropout_masks_follow_the_documented_rng():
     """Dropout in forward_backward uses the documented per-(seed, call, layer, microbatch)
-    masks; forward() runs without dropout."""
+    masks, and so does a training-mode forward(); forward() in eval mode runs without dropout."""
     p = 0.3
     spec = {"layers": [{"type": "linear", "in": 8, "out": 16}, {"type": "dropout", "p": p},
                        {"type": "linear", "in": 16, "out": 4}]}
@@ -275,4 +275,11 @@ def test_dropout_masks_follow_the_documented_rng():
                 mask = dropout_mask(seed, call, 1, m, h.shape, p)
                 pieces.append(lin2(h * mask / (1 - p)).detach())
             torch.testing.assert_close(out, torch.cat(pieces), rtol=RTOL, atol=ATOL)
+        # A training-mode forward (autograd through forward()) is the third training call: its
+        # masks are call 2's.
+        want = torch.cat([lin2(lin1(xm) * dropout_mask(seed, 2, 1, m, (xm.shape[0], 16), p)
+                               / (1 - p)).detach()
+                          for m, xm in enumerate(torch.tensor_split(x, N_MB))])
+        torch.testing.assert_close(model(x).detach(), want, rtol=RTOL, atol=ATOL)
+        model.eval()  # inference: no dropout
         torch.testing.assert_close(model(x), lin2(lin1(x)).detach(), rtol=RTOL, atol=ATOL)

@@ -34,6 +34,8 @@ from . import optim
 from ._callbacks import set_log_callback, set_progress_callback
 from ._capi import ABI_VERSION, candidate_paths, library_path, load_library
 from .config import REPLICATE, RoundPipeRunConfig
+from .execute_plan import ModelExecutePlan
+from .timer import ModelTimer
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
@@ -67,5 +69,5 @@ __all__ = [
     "load_library", "library_path",
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
     "HostStateBytes", "doing_recompute", "save_for_recompute", "get_recompute_data",
-    "AutoRoundPipe",
+    "AutoRoundPipe", "ModelExecutePlan", "ModelTimer",
 ]

@@ -595,6 +595,15 @@ class Model(Owned):
         return TensorList(lib().rp_forward, self.handle, inputs.array, inputs.count,
                           config.handle)
 
+    def forward_train(self, inputs, config):
+        """``rp_forward_train``: as forward, in training mode, keeping what ``backward`` needs."""
+        return TensorList(lib().rp_forward_train, self.handle, inputs.array, inputs.count,
+                          config.handle)
+
+    def backward(self, grads):
+        """``rp_backward`` on BorrowedInputs of the output gradients (NULL entries allowed)."""
+        lib().rp_backward(self.handle, grads.array, grads.count)
+
     def forward_backward(self, inputs, label, loss, config, want_outputs):
         """``rp_forward_backward``; `label` a DLManagedTensor* or None. Returns (loss sum,
         TensorList of the outputs or None)."""

@@ -79,7 +79,7 @@ def tree_outputs(tensors, state, last_index, num_microbatch, custom, merge):
 
 
 @contextlib.contextmanager
-def layer_call(runtime, layers, scope, input_spec, training):
+def layer_call(runtime, layers, scope, input_spec, training, state=None):
     """Around one model call with Python layers: the CallState the layer callbacks use
     (watched by `scope`, which raises the error a layer kept), and the modules in training
     mode for a training call, evaluation mode for forward(), as the engine's own layers run
@@ -87,7 +87,9 @@ def layer_call(runtime, layers, scope, input_spec, training):
     if runtime is None or not layers:
         yield None
         return
-    state = CallState(input_spec, training)
+    # `state`: a training forward's, installed again for its later backward (the recompute
+    # rebuilds each layer's input structure from it).
+    state = state if state is not None else CallState(input_spec, training)
     scope.watch(state)
     modes = [(m, m.training) for layer in layers for m in layer.module.modules()]
     for layer in layers:

@@ -1,6 +1,16 @@
 """RoundPipeRunConfig: how one call is cut into microbatches and how its outputs come back."""
 
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+
 import torch
+
+try:
+    from typing import Literal
+except ImportError:  # Python < 3.8
+    from typing_extensions import Literal  # type: ignore
+
+if TYPE_CHECKING:
+    from .execute_plan import ModelExecutePlan
 
 from . import _capi
 from .errors import RoundPipeError, Status
@@ -37,7 +47,7 @@ def _is_reducer(spec):
     return hasattr(spec, "reduce_fn") and hasattr(spec, "init_value")
 
 
-def leaf_split_dim(spec, where):
+def leaf_split_dim(spec: Any, where: str) -> Optional[int]:
     """Split dimension of one spec leaf: None (default rule), an int >= 0, or
     RP_SPLIT_REPLICATE."""
     if spec is None:
@@ -78,9 +88,14 @@ class RoundPipeRunConfig:
     the model-level one field by field, and fields set nowhere take the built-in defaults.
 
     Args:
-        num_microbatch: number of microbatches (default: number of devices + 1).
-        recompute_grain: ``"stage"`` (default) or ``"layer"``.
+        requires_grad: upstream's switch for autograd through ``forward()`` (default:
+            ``torch.is_grad_enabled()``). Kept and overlaid like every field.
         output_device: where outputs are returned: None/``"cpu"`` (default) or a CUDA device.
+        preserve_rng_state: upstream's switch for replaying the RNG in recompute (default
+            True). The engine always replays dropout in recompute from its seeded generator,
+            so True is what it does; False is accepted and changes nothing.
+        recompute_grain: ``"stage"`` (default) or ``"layer"``.
+        num_microbatch: number of microbatches (default: number of devices + 1).
         split_input: how inputs are split. None: tensors with dimensions along dim 0, 0-d
             tensors and Python scalars replicated. Or upstream's ``(args_spec, kwargs_spec)``
             pair, whose leaves are None (default rule), an int dimension,
@@ -90,16 +105,38 @@ class RoundPipeRunConfig:
             a nested tuple/list/dict), a leaf spec as above, a nested spec matching the label's
             structure, or ``split(label, num_microbatch) -> list``. With a built-in loss the
             label must be one tensor and the spec a leaf.
-        merge_output: None/True (concatenate along dim 0, average 0-d outputs), False (return a
-            list with one output per microbatch), ``TensorChunkSpec(dim)`` (concatenate along
-            `dim`), a ``_CustomReducer``, or a function ``merge(list_of_outputs)``.
+        merge_output: None/True (concatenate along dim 0, average 0-d outputs), False (every
+            leaf of the output a :class:`RoundPipePackedData` with one value per microbatch,
+            which another RoundPipe model takes as its input without splitting it again),
+            ``TensorChunkSpec(dim)`` (concatenate along `dim`), a ``_CustomReducer``,
+            ``_Replicate`` (every microbatch gave the same value), a nested tuple/list/dict of
+            these matching the output's structure, or a function ``merge(list_of_outputs)``.
+        execute_plan: a :class:`roundpipe.ModelExecutePlan`: which layers form each stage.
+            The engine holds one stage plan, fixed when the model is built and used by forward
+            and backward alike: a model-level plan builds the model with it; a per-call plan
+            must be the plan in force (``ModelExecutePlan.auto`` returns it), else
+            RoundPipeUnsupportedError naming execute_plan. See roundpipe.execute_plan.
     """
 
-    _FIELDS = ("num_microbatch", "recompute_grain", "output_device", "split_input",
-               "split_label", "merge_output")
+    _FIELDS = ("requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
+               "num_microbatch", "split_input", "split_label", "merge_output", "execute_plan")
 
-    def __init__(self, num_microbatch=None, recompute_grain=None, output_device=None,
-                 split_input=None, split_label=None, merge_output=None):
+    def __init__(
+        self,
+        requires_grad: Optional[bool] = None,
+        output_device: Union[torch.device, str, None] = None,
+        preserve_rng_state: Optional[bool] = None,
+        recompute_grain: Optional[Literal["stage", "layer"]] = None,
+        num_microbatch: Optional[int] = None,
+        split_input: Union[
+            Tuple[Optional[Tuple[Any, ...]], Optional[Dict[str, Any]]],
+            Callable[[Tuple[Any, ...], Dict[str, Any], int],
+                     Tuple[List[Tuple[Any, ...]], List[Dict[str, Any]]]],
+            Any, None] = None,
+        split_label: Union[Any, Callable[[Any, int], List[Any]], None] = None,
+        merge_output: Union[Any, Callable[[List[Any]], Any], bool, None] = None,
+        execute_plan: Optional["ModelExecutePlan"] = None,
+    ) -> None:
         if num_microbatch is not None:
             if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
                 raise TypeError("num_microbatch must be an int, got %r" % (num_microbatch,))
@@ -111,15 +148,29 @@ class RoundPipeRunConfig:
             raise RoundPipeError(Status.INVALID_ARGUMENT,
                                  'recompute_grain must be "stage" or "layer", got %r'
                                  % (recompute_grain,))
+        for flag, value in (("requires_grad", requires_grad),
+                            ("preserve_rng_state", preserve_rng_state)):
+            if value is not None and not isinstance(value, bool):
+                raise RoundPipeError(Status.INVALID_ARGUMENT,
+                                     "%s must be None or a bool, got %r" % (flag, value))
+        if execute_plan is not None:
+            from .execute_plan import ModelExecutePlan
+            if not isinstance(execute_plan, ModelExecutePlan):
+                raise RoundPipeError(Status.INVALID_ARGUMENT,
+                                     "execute_plan must be a roundpipe.ModelExecutePlan or "
+                                     "None, got %s" % type(execute_plan).__name__)
         _parse_output_device(output_device)  # validates
-        self.num_microbatch = num_microbatch
-        self.recompute_grain = recompute_grain
+        self.requires_grad = requires_grad
         self.output_device = output_device
+        self.preserve_rng_state = preserve_rng_state
+        self.recompute_grain = recompute_grain
+        self.num_microbatch = num_microbatch
         self.split_input = split_input
         self.split_label = split_label
         self.merge_output = merge_output
+        self.execute_plan = execute_plan
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         fields = ", ".join("%s=%r" % (f, getattr(self, f)) for f in self._FIELDS
                            if getattr(self, f) is not None)
         return "RoundPipeRunConfig(%s)" % fields
@@ -130,7 +181,7 @@ class RoundPipeRunConfig:
     # its defaults (rp_model_resolve_run_config). The split specs and the custom merges are
     # Python objects the engine cannot hold: their overlay is here, in call_fields().
 
-    def engine_fields(self):
+    def engine_fields(self) -> Dict[str, Any]:
         """The fields this configuration sets that the engine holds, as C values (keyword
         arguments of ``_internals.RunConfig.build``)."""
         return {"num_microbatch": self.num_microbatch,
@@ -138,20 +189,24 @@ class RoundPipeRunConfig:
                 "output_device": _parse_output_device(self.output_device),
                 "merge_output": engine_merge(self.merge_output)}
 
-    def call_fields(self, call):
+    def call_fields(self, call: Optional["RoundPipeRunConfig"]) -> "RoundPipeRunConfig":
         """A configuration with only the Python-side fields a call uses, `call`'s where set,
-        else this (model-level) one's: split_input, split_label, and merge_output when it is a
-        merge the engine does not do (else None)."""
+        else this (model-level) one's: split_input, split_label, requires_grad,
+        preserve_rng_state, merge_output when it is a merge the engine does not do (else None),
+        and execute_plan as the call itself gives it (the model-level plan is the engine's)."""
         def pick(field):
             value = getattr(call, field) if call is not None else None
             return value if value is not None else getattr(self, field)
         merge = pick("merge_output")
         return RoundPipeRunConfig(split_input=pick("split_input"),
                                   split_label=pick("split_label"),
-                                  merge_output=merge if is_custom_merge(merge) else None)
+                                  requires_grad=pick("requires_grad"),
+                                  preserve_rng_state=pick("preserve_rng_state"),
+                                  merge_output=merge if is_custom_merge(merge) else None,
+                                  execute_plan=call.execute_plan if call is not None else None)
 
 
-def engine_merge(merge):
+def engine_merge(merge: Any) -> Optional[int]:
     """rp_run_config_set_merge_output's value for a merge_output: 1 or 0 when the engine does
     the merge asked for (True, False, TensorChunkSpec(0)), None when unset or custom."""
     if merge is True or merge is False:
@@ -161,7 +216,7 @@ def engine_merge(merge):
     return None
 
 
-def is_custom_merge(merge):
+def is_custom_merge(merge: Any) -> bool:
     """A merge_output the binding does itself: a function, a _CustomReducer or a
     TensorChunkSpec along a dimension other than 0."""
     return merge is not None and engine_merge(merge) is None

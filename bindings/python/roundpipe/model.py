@@ -11,6 +11,7 @@ import json
 import os
 from collections import OrderedDict
 from ctypes import c_int64
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -21,12 +22,17 @@ from ._args import (LOSSES, BuiltinLoss, HostStateBytes, builtin_loss, call_site
 from ._callbacks import StepCall, registry
 from ._capi import kDLCPU
 from ._dlpack import BorrowedInputs
+from ._forward_autograd import PendingBackward, connect
 from ._internals import CallScope, Loss, Model, ModelOptions, Params, RunConfig
+from ._call_hooks import forward_backward_call, forward_call
 from ._microbatch import (RoundPipePackedData, builtin_label_dim, call_inputs, merge_outputs,
-                          split_label)
+                          pack_leaves, split_label)
+from .execute_plan import check_model_plan, model_stage_plan
 from .config import _GRAINS, RoundPipeRunConfig
 from .convert import resolve_model
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
+from .causal_lm import CausalLM, causal_lm_forward, causal_lm_forward_backward
+from .causal_lm import generate as _generate
 from .hf import hf_inputs, module_weights
 from ._device_loss import python_loss
 from ._module_sync import copy_into_module, module_tensors
@@ -108,7 +114,8 @@ class RoundPipe:
             optim_dtype=parse_dtype(optim_dtype, "optim_dtype"), pin_mode=pin_mode,
             host_memory_mode=host_memory_mode, seed=seed, name=str(name),
             devices=parse_devices(devices), gpu_memory_cap=gpu_memory_cap,
-            grad_scaler=parse_grad_scaler(grad_scaler), stage_plan=stage_plan,
+            grad_scaler=parse_grad_scaler(grad_scaler),
+            stage_plan=model_stage_plan(stage_plan, model_run_config.execute_plan),
             skip_nonfinite_steps=bool(skip_nonfinite_steps))
         # The engine gets the model-level fields it holds and overlays each call's on them; the
         # Python-only ones (split specs, custom merges) are overlaid by call_fields() per call.
@@ -130,12 +137,17 @@ class RoundPipe:
         self._run_config = model_run_config
         self._host_memory = host_memory
         self._params = Params(self._model.handle.value)
-        self.training = True
+        # The wrapped module's mode: a module put in eval() before wrapping gives inference forwards.
+        self.training = bool(getattr(model, "training", True))
         self.model = model if isinstance(model, nn.Module) else None
         self._original_model = self.model
         self._hf_config = source.config if source.is_hf else None
+        # Hugging Face causal LMs return transformers' output objects (roundpipe.causal_lm)
+        self._causal_lm = CausalLM(self.model, native=True, config=self._hf_config) \
+            if self._hf_config is not None else None
         self._module_names = None
         try:
+            check_model_plan(self)
             self._copy_module_weights(source)
         except BaseException:
             self.close()
@@ -320,8 +332,9 @@ class RoundPipe:
                 merge_output=py.merge_output if py.merge_output is not None else merge)
 
     def train(self, mode=True):
-        """For upstream compatibility: forward() always runs in evaluation mode (dropout off),
-        forward_backward() in training mode."""
+        """Training mode (the default, or the wrapped module's mode): forward() with gradients
+        enabled is back-propagatable and runs dropout; eval(): forward() is inference.
+        forward_backward() always runs in training mode."""
         self.training = bool(mode)
         return self
 
@@ -368,28 +381,54 @@ class RoundPipe:
 
     def _outputs(self, tensors, py, resolved, merge, state):
         if self._tree_outputs:
-            return tree_outputs(tensors, state, self._python_layers[-1].index,
-                                resolved.num_microbatch, py.merge_output, merge)
+            out = tree_outputs(tensors, state, self._python_layers[-1].index,
+                               resolved.num_microbatch, py.merge_output, merge)
+            return pack_leaves(out) if type(out) is RoundPipePackedData else out
         return merge_outputs(tensors, py.merge_output, merge)
 
 
+    @causal_lm_forward
+    @forward_call
     def forward(self, *args, roundpipe_run_config=None, **kwargs):
-        """Inference: split the inputs into microbatches, run them through the pipeline on the
-        published weights without gradients (dropout off), merge the outputs."""
+        """Split the inputs into microbatches, run them through the pipeline on the published
+        weights, merge the outputs. In training mode (``train()``, the default) with gradients
+        enabled, the outputs are connected to autograd: ``loss.backward()`` on them runs the
+        pipeline's backward and accumulates the gradients the next ``step()`` uses (upstream's
+        non-fused training; ``forward_backward()`` is faster). Otherwise (``eval()`` or
+        ``torch.no_grad()``) it is inference: no gradients, dropout off."""
         model = self._model
         model.handle  # raises when closed
         py = self._run_config.call_fields(roundpipe_run_config)
         tensors, dims, split_call, tree = self._call_inputs(args, kwargs, py)
+        train = self.training and torch.is_grad_enabled() and self._has_trainable_parameters()
         with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
-                                              training=False) as state:
+                                              training=train) as state:
             split = scope.split_callback(split_call)
             config, resolved, merge = self._configs(scope, roundpipe_run_config, py, dims,
                                                     None, split)
-            outputs = scope.run(model.forward, BorrowedInputs(tensors), config)
-            return self._outputs(outputs.to_torch(), py, resolved, merge, state)
+            if not train:
+                outputs = scope.run(model.forward, BorrowedInputs(tensors), config)
+                return self._outputs(outputs.to_torch(), py, resolved, merge, state)
+            outputs = scope.run(model.forward_train, BorrowedInputs(tensors), config)
+            pending = PendingBackward(self._engine_backward(state))
+            return self._outputs(connect(outputs.to_torch(), pending), py, resolved, merge,
+                                 state)
+
+    def _has_trainable_parameters(self):
+        return any(p.requires_grad for p in self.parameters())
+
+    def _engine_backward(self, state):
+        """rp_backward for a training forward whose Python-layer call state is `state`."""
+        def run(grads):
+            with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope,
+                                                  None, True, state=state):
+                scope.run(self._model.backward, grads)
+        return run
 
     __call__ = forward
 
+    @causal_lm_forward_backward
+    @forward_backward_call
     def forward_backward(self, input_args=(), input_kwargs=None, label=None, loss_fn=None,
                          return_outputs=False, run_config=None):
         """Training: forward, loss and backward of every microbatch in one pipelined pass.
@@ -623,13 +662,27 @@ class RoundPipe:
                 target.copy_(value.to(target.dtype))
         return module
 
-    def save_pretrained(self, save_directory, safe_serialization=True):
+    def generate(self, input_ids: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        """Token generation of a Hugging Face causal LM, as transformers' ``generate()``
+        (greedy or sampled; one forward pass per new token, no KV cache): see
+        :func:`roundpipe.causal_lm.generate`."""
+        if self._causal_lm is None:
+            raise RoundPipeUnsupportedError("generate() needs a Hugging Face causal LM")
+        return _generate(self, input_ids, **kwargs)
+
+    def save_pretrained(self, save_directory, safe_serialization=True, **kwargs):
         """Save a causal LM as a Hugging Face directory that transformers' from_pretrained
         loads: config.json (its "dtype" set to the model dtype) and the latest weights
         (synchronizes first) in the model dtype under Hugging Face names, in the file layout of
         the checkpoint it was loaded from (one model.safetensors, or the same shards and index).
         The directory is created if missing (its parent must exist); tokenizer files are not
         written. Only for models built from a Hugging Face model, directory or config."""
+        original = self._original_model
+        if self._hf_config is None and hasattr(original, "save_pretrained"):
+            # a Python preset (PEFT models included): the wrapped model saves itself
+            self.synchronize()
+            return original.save_pretrained(save_directory,
+                                            safe_serialization=safe_serialization, **kwargs)
         if not safe_serialization:
             raise RoundPipeUnsupportedError("save_pretrained writes safetensors only "
                                             "(safe_serialization=True)")

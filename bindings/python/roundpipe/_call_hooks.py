@@ -1,0 +1,48 @@
+"""What happens around every forward() / forward_backward() call, outside model.py: inputs that
+are another model's packed outputs (merge_output=False) rewritten into a per-microbatch split, the
+per-call execute_plan checked against the engine's plan, and the timer fed after the call."""
+
+import functools
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+
+from ._microbatch import RoundPipePackedData, chained_call
+from .execute_plan import check_call_plan
+from .timer import ModelTimer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def forward_call(method: F) -> F:
+    """Wrap ``RoundPipe.forward(*args, roundpipe_run_config=None, **kwargs)``."""
+    @functools.wraps(method)
+    def forward(self: Any, *args: Any, roundpipe_run_config: Optional[Any] = None,
+                **kwargs: Any) -> Any:
+        self.handle  # raises when closed
+        args, kwargs, config = chained_call(args, kwargs, roundpipe_run_config,
+                                            self.model_run_config)
+        check_call_plan(self, config, "infer")
+        result = method(self, *args, roundpipe_run_config=config, **kwargs)
+        ModelTimer.after_call(self)
+        return result
+    return forward  # type: ignore[return-value]
+
+
+def forward_backward_call(method: F) -> F:
+    """Wrap ``RoundPipe.forward_backward(input_args, input_kwargs, label, loss_fn,
+    return_outputs, run_config)``."""
+    @functools.wraps(method)
+    def forward_backward(self: Any, input_args: Any = (),
+                         input_kwargs: Optional[Dict[str, Any]] = None, label: Any = None,
+                         loss_fn: Any = None, return_outputs: bool = False,
+                         run_config: Optional[Any] = None) -> Any:
+        self.handle  # raises when closed
+        if isinstance(input_args, RoundPipePackedData) or \
+                not isinstance(input_args, (tuple, list)):
+            input_args = (input_args,)
+        input_args, input_kwargs, config = chained_call(
+            tuple(input_args), input_kwargs, run_config, self.model_run_config)
+        check_call_plan(self, config, "fused")
+        result = method(self, input_args, input_kwargs, label, loss_fn, return_outputs, config)
+        ModelTimer.after_call(self)
+        return result
+    return forward_backward  # type: ignore[return-value]

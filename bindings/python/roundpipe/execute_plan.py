@@ -1,0 +1,301 @@
+"""ModelExecutePlan: upstream's execution plan, mapped onto the engine's stage plan.
+
+Upstream's plan names the layers of each forward stage (``fwd_plan``) and of each backward
+stage (``bwd_plan``) separately, per call. The engine holds one stage plan per model
+(``rp_model_options_set_stage_plan`` at creation, read back with ``rp_model_stage_plan``):
+stage s holds the next ``layers_per_stage[s]`` layers. ``forward()`` runs every stage forward;
+``forward_backward()`` runs stages 0..S-2 forward, fuses forward, loss and backward of the last
+(tail) stage, then runs backward over stages S-1..0. So a plan maps onto the engine when
+
+- for ``forward()`` (run types "infer" / "train"): ``fwd_plan`` covers every layer, and
+  ``bwd_plan`` is empty or is ``fwd_plan`` reversed;
+- for ``forward_backward()`` (run type "fused"): ``fwd_plan`` covers layers 0..T-1, the first
+  backward stage is ``range(T, L)`` (the tail), and ``bwd_plan`` reversed is ``fwd_plan`` followed
+  by that tail.
+
+What the engine cannot do, and the error it gets (:class:`RoundPipeUnsupportedError`, which is
+also a ``NotImplementedError``, naming ``execute_plan``):
+
+- backward stages that differ from the forward ones (upstream's asymmetric plans, such as the
+  4-layer examples of its page with two forward stages and four backward ones);
+- a per-call plan other than the plan in force: the stage plan is fixed when the model is built.
+  Give it as the model-level ``RoundPipe(model, model_run_config=RoundPipeRunConfig(
+  execute_plan=plan))``; a per-call plan equal to the plan in force (``ModelExecutePlan.auto``
+  returns it) is accepted.
+
+A plan that breaks upstream's validation rules (layers not covered exactly once, forward not
+ascending, backward not descending, the fused rule) raises :class:`RoundPipeError`
+(INVALID_ARGUMENT) naming ``execute_plan`` and the offending entry.
+"""
+
+from typing import TYPE_CHECKING, List, Optional, Sequence, Union
+
+from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
+
+try:
+    from typing import Literal
+except ImportError:  # Python < 3.8
+    from typing_extensions import Literal  # type: ignore
+
+if TYPE_CHECKING:
+    from .model import RoundPipe
+
+__all__ = ["ModelExecutePlan"]
+
+RunType = Literal["infer", "train", "fused"]
+_RUN_TYPES = ("infer", "train", "fused")
+
+
+def _bad(message: str) -> RoundPipeError:
+    return RoundPipeError(Status.INVALID_ARGUMENT, "execute_plan: " + message)
+
+
+class ModelExecutePlan:
+    """Execution plan of a RoundPipe model: which layers form each forward stage
+    (``fwd_plan``) and each backward stage (``bwd_plan``), as lists of ``range``.
+
+    The engine runs backward over the forward's stages in reverse order, so only plans whose
+    backward stages are the forward ones reversed (plus the fused tail stage) can run; see the
+    module documentation for the mapping and the errors.
+    """
+
+    def __init__(self) -> None:
+        self.fwd_plan: List[range] = []
+        self.bwd_plan: List[range] = []
+
+    def __repr__(self) -> str:
+        return "ModelExecutePlan(fwd_plan=%r, bwd_plan=%r)" % (self.fwd_plan, self.bwd_plan)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelExecutePlan):
+            return NotImplemented
+        return list(self.fwd_plan) == list(other.fwd_plan) and \
+            list(self.bwd_plan) == list(other.bwd_plan)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    # -- engine <-> upstream ------------------------------------------------------------------
+
+    @classmethod
+    def from_stage_plan(cls, layers_per_stage: Sequence[int],
+                        run_type: RunType = "fused") -> "ModelExecutePlan":
+        """The plan of run type `run_type` that the engine's stage plan `layers_per_stage`
+        (``RoundPipe.stage_plan()``) runs: "infer": the stages forward, no backward plan;
+        "train": the stages forward, then backward in reverse order; "fused": every stage but
+        the last forward, then backward from the last (the tail) down to the first."""
+        _check_run_type(run_type)
+        stages, at = [], 0
+        for n in layers_per_stage:
+            stages.append(range(at, at + int(n)))
+            at += int(n)
+        plan = cls()
+        plan.fwd_plan = stages[:-1] if run_type == "fused" else list(stages)
+        plan.bwd_plan = [] if run_type == "infer" else list(reversed(stages))
+        return plan
+
+    def stage_plan(self, num_layers: int, run_type: Optional[RunType] = None) -> List[int]:
+        """The engine's stage plan (layers per stage) for this plan over `num_layers` layers.
+
+        `run_type`: "fused" (a forward_backward() call), "infer" / "train" (a forward() call),
+        or None (a model-level plan: either form). Raises RoundPipeError (INVALID_ARGUMENT) for
+        a plan upstream rejects, RoundPipeUnsupportedError for one the engine cannot run."""
+        if run_type is not None:
+            _check_run_type(run_type)
+        fwd = _ranges(self.fwd_plan, "fwd_plan")
+        bwd = _ranges(self.bwd_plan, "bwd_plan")
+        covered = 0
+        for i, r in enumerate(fwd):
+            if r.start != covered:
+                raise _bad("fwd_plan[%d] is %r: forward stages must be in ascending order, each "
+                           "starting where the previous one stopped (at layer %d)"
+                           % (i, r, covered))
+            covered = r.stop
+        if covered > num_layers:
+            raise _bad("fwd_plan reaches layer %d, the model has %d layers"
+                       % (covered - 1, num_layers))
+        if bwd:
+            top = num_layers
+            for i, r in enumerate(bwd):
+                if r.stop != top:
+                    raise _bad("bwd_plan[%d] is %r: backward stages must be in descending "
+                               "order, covering every layer once (expected a stage ending at "
+                               "layer %d)" % (i, r, top - 1))
+                top = r.start
+            if top != 0:
+                raise _bad("bwd_plan stops at layer %d: it must cover every layer down to 0"
+                           % top)
+        fused = covered < num_layers
+        if fused and run_type in ("infer", "train"):
+            raise _bad("fwd_plan covers layers 0..%d of %d: a forward() plan must cover every "
+                       "layer" % (covered - 1, num_layers))
+        if fused:
+            if not bwd:
+                raise _bad("fwd_plan covers layers 0..%d of %d and bwd_plan is empty: the "
+                           "layers after the forward plan must be the first backward stage"
+                           % (covered - 1, num_layers))
+            if bwd[0].start != covered:
+                raise _bad("bwd_plan[0] is %r: with forward_backward() the first backward "
+                           "stage must start where fwd_plan stops (layer %d)"
+                           % (bwd[0], covered))
+            stages = fwd + [bwd[0]]
+        else:
+            if run_type == "fused":
+                raise _bad("fwd_plan covers every layer: with forward_backward() the last "
+                           "layers run only in the fused first backward stage, so fwd_plan "
+                           "must stop where bwd_plan[0] starts")
+            stages = fwd
+        if not stages:
+            raise _bad("the plan has no stage")
+        if bwd and list(reversed(bwd)) != stages:
+            raise RoundPipeUnsupportedError(
+                "execute_plan: bwd_plan %r differs from the forward stages %s reversed; the "
+                "engine runs backward over the forward's stages in reverse order (one stage "
+                "plan per model), so bwd_plan must be %r"
+                % (bwd, stages, list(reversed(stages))))
+        return [len(r) for r in stages]
+
+    def layers_per_stage_hint(self) -> List[int]:
+        """Layers per stage without knowing the model's layer count (a model-level plan, before
+        the model exists): the forward stages, and the first backward stage when it starts
+        where the forward plan stops (the fused form). Checked in full once the model exists."""
+        fwd = _ranges(self.fwd_plan, "fwd_plan")
+        bwd = _ranges(self.bwd_plan, "bwd_plan")
+        covered = fwd[-1].stop if fwd else 0
+        stages = list(fwd)
+        if bwd and bwd[0].start == covered and bwd[0].stop > covered:
+            stages.append(bwd[0])
+        if not stages:
+            raise _bad("the plan has no stage")
+        return [len(r) for r in stages]
+
+    # -- auto -----------------------------------------------------------------------------------
+
+    @classmethod
+    def auto(cls, run_type: RunType, *models: "RoundPipe", min_stages: Optional[int] = None,
+             upper_threshold: float = 1.1, model_memory_limit: Optional[float] = None
+             ) -> Union["ModelExecutePlan", List["ModelExecutePlan"]]:
+        """The plan each model's engine runs, in the form of `run_type` ("infer", "train" or
+        "fused"): the engine's own planner decides the stages (from layer cost estimates, and
+        on GPUs from the times measured in the first training call), and this returns its
+        current stage plan (``rp_model_stage_plan``). One model gives one plan, several a list.
+
+        `min_stages` and `upper_threshold` are hints (upstream: "the actual number of stages
+        may be lower"); the engine's planner does not take them and they change nothing.
+        `model_memory_limit` (GB of parameters and gradients; each stage may use half) is
+        checked against the plan in force: a stage over it raises RoundPipeUnsupportedError
+        naming model_memory_limit (the engine's per-stage limit is set when the model is built,
+        by ``gpu_memory_cap``)."""
+        _check_run_type(run_type)
+        if not models:
+            raise RoundPipeError(Status.INVALID_ARGUMENT,
+                                 "ModelExecutePlan.auto: give at least one RoundPipe model")
+        from .model import RoundPipe
+        for i, m in enumerate(models):
+            if not isinstance(m, RoundPipe):
+                raise RoundPipeError(Status.INVALID_ARGUMENT, "ModelExecutePlan.auto: models[%d] "
+                                     "is a %s, not a RoundPipe" % (i, type(m).__name__))
+        if min_stages is not None and (isinstance(min_stages, bool)
+                                       or not isinstance(min_stages, int) or min_stages < 1):
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "ModelExecutePlan.auto: min_stages "
+                                 "must be an int >= 1, got %r" % (min_stages,))
+        if isinstance(upper_threshold, bool) or not isinstance(upper_threshold, (int, float)) \
+                or not upper_threshold >= 1.0:
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "ModelExecutePlan.auto: "
+                                 "upper_threshold must be a number >= 1, got %r"
+                                 % (upper_threshold,))
+        if model_memory_limit is not None and (
+                isinstance(model_memory_limit, bool)
+                or not isinstance(model_memory_limit, (int, float)) or not model_memory_limit > 0):
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "ModelExecutePlan.auto: "
+                                 "model_memory_limit must be a number of GB > 0, got %r"
+                                 % (model_memory_limit,))
+        plans = []
+        for m in models:
+            counts = m.stage_plan()
+            if model_memory_limit is not None:
+                _check_memory(m, counts, float(model_memory_limit))
+            plans.append(cls.from_stage_plan(counts, run_type))
+        return plans[0] if len(plans) == 1 else plans
+
+
+def _check_run_type(run_type: object) -> None:
+    if run_type not in _RUN_TYPES:
+        raise RoundPipeError(Status.INVALID_ARGUMENT, "run_type must be \"infer\", \"train\" "
+                             "or \"fused\", got %r" % (run_type,))
+
+
+def _ranges(value: object, name: str) -> List[range]:
+    if not isinstance(value, (list, tuple)):
+        raise _bad("%s must be a list of range, got %s" % (name, type(value).__name__))
+    out = []
+    for i, r in enumerate(value):
+        if not isinstance(r, range) or r.step != 1 or len(r) == 0 or r.start < 0:
+            raise _bad("%s[%d] must be a non-empty range(start, stop) of layer indices, got %r"
+                       % (name, i, r))
+        out.append(r)
+    return out
+
+
+def _check_memory(model: "RoundPipe", counts: List[int], limit_gb: float) -> None:
+    """Each stage's parameters and gradients (model dtype, from the engine's parameter
+    shapes) within half of `limit_gb`."""
+    import torch
+    module = model.__dict__.get("model")
+    dtypes = {p.dtype for p in module.parameters()} if module is not None else set()
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    size = torch.empty((), dtype=dtype).element_size()
+    per_layer = {}
+    for name, p in model.optim_named_parameters():
+        head = name.split(".", 1)[0]
+        if not head.isdigit():
+            continue
+        layer = int(head)
+        per_layer[layer] = per_layer.get(layer, 0) + p.numel() * size * 2
+    at = 0
+    for s, n in enumerate(counts):
+        stage_bytes = sum(per_layer.get(i, 0) for i in range(at, at + n))
+        if stage_bytes > limit_gb / 2 * 2 ** 30:
+            raise RoundPipeUnsupportedError(
+                "ModelExecutePlan.auto: model_memory_limit=%g GB allows %.4g GB per stage, but "
+                "stage %d (layers %d..%d) of the engine's plan holds %.4g GB of parameters and "
+                "gradients; the engine plans its stages when the model is built: pass "
+                "gpu_memory_cap= or a model-level execute_plan to RoundPipe(...)"
+                % (limit_gb, limit_gb / 2, s, at, at + n - 1, stage_bytes / 2 ** 30))
+        at += n
+
+
+def model_stage_plan(stage_plan: Optional[Sequence[int]],
+                     execute_plan: Optional[ModelExecutePlan]) -> Optional[List[int]]:
+    """The stage plan a model is built with: `stage_plan` (RoundPipe's own argument) or the
+    model-level run configuration's `execute_plan` (both given: they must agree)."""
+    if execute_plan is None:
+        return None if stage_plan is None else list(stage_plan)
+    counts = execute_plan.layers_per_stage_hint()
+    if stage_plan is not None and list(stage_plan) != counts:
+        raise RoundPipeError(Status.INVALID_ARGUMENT, "stage_plan %r and the model_run_config's "
+                             "execute_plan (%r layers per stage) disagree; give one"
+                             % (list(stage_plan), counts))
+    return counts
+
+
+def check_model_plan(model: "RoundPipe") -> None:
+    """Upstream's validation of the model-level execute_plan, once the layer count is known."""
+    plan = model.model_run_config.execute_plan
+    if plan is not None:
+        plan.stage_plan(model.num_layers)
+
+
+def check_call_plan(model: "RoundPipe", run_config: Optional[object], run_type: RunType) -> None:
+    """A per-call execute_plan must be valid for the call (`run_type`: "fused" for
+    forward_backward(), "infer" for forward()) and be the engine's plan in force."""
+    plan = getattr(run_config, "execute_plan", None)
+    if plan is None:
+        return
+    counts = plan.stage_plan(model.num_layers, run_type)
+    current = model.stage_plan()
+    if counts != current:
+        raise RoundPipeUnsupportedError(
+            "execute_plan: this call asks for %r layers per stage, the model runs %r; the "
+            "engine's stage plan is fixed when the model is built (rp_model_options_set_stage_"
+            "plan): give the plan as RoundPipe(model, model_run_config=RoundPipeRunConfig("
+            "execute_plan=plan)) or stage_plan=%r" % (counts, current, counts))
