@@ -227,10 +227,13 @@ def test_layers_pass_tuples_dicts_and_dataclasses():
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, name=name: "%s: %s" % (name, m))
-    # per-microbatch outputs keep their structure
+    # merge_output=False: the output's structure, each leaf a RoundPipePackedData holding its
+    # value in every microbatch (upstream's API_run_config, "No Merging")
     per_mb = model(x, bias, gate=gate,
                    roundpipe_run_config=RoundPipeRunConfig(merge_output=False))
-    assert len(per_mb) == N_MB and isinstance(per_mb[0], dict)
+    assert isinstance(per_mb, dict) and set(per_mb) == {"logits", "aux"}
+    assert all(isinstance(v, roundpipe.RoundPipePackedData) and len(v) == N_MB
+               for v in per_mb.values())
     model.close()
 
 
