@@ -654,6 +654,18 @@ rp_forward(out_outputs, model, inputs, n_inputs, config) =
            Ptr{rp_run_config}),
           out_outputs, model, inputs, n_inputs, config)
 
+# rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const rp_run_config *config);
+rp_forward_train(out_outputs, model, inputs, n_inputs, config) =
+    ccall((:rp_forward_train, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_tensor_list}}, Ptr{rp_model}, Ptr{Ptr{DLManagedTensor}}, Csize_t,
+           Ptr{rp_run_config}),
+          out_outputs, model, inputs, n_inputs, config)
+
+# rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
+rp_backward(model, output_grads, n_grads) =
+    ccall((:rp_backward, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Ptr{Ptr{DLManagedTensor}}, Csize_t), model, output_grads, n_grads)
+
 # rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const DLManagedTensor *labels, const rp_loss *loss, const rp_run_config *config);
 rp_forward_backward(out_loss, out_outputs, model, inputs, n_inputs, labels, loss, config) =
     ccall((:rp_forward_backward, libroundpipe()), rp_status,

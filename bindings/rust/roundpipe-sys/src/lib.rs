@@ -530,6 +530,18 @@ extern "C" {
         n_inputs: usize,
         config: *const rp_run_config,
     ) -> rp_status;
+    pub fn rp_forward_train(
+        out_outputs: *mut *mut rp_tensor_list,
+        model: *mut rp_model,
+        inputs: *const *const DLManagedTensor,
+        n_inputs: usize,
+        config: *const rp_run_config,
+    ) -> rp_status;
+    pub fn rp_backward(
+        model: *mut rp_model,
+        output_grads: *const *const DLManagedTensor,
+        n_grads: usize,
+    ) -> rp_status;
     pub fn rp_forward_backward(
         out_loss: *mut c_double,
         out_outputs: *mut *mut rp_tensor_list,

@@ -383,6 +383,52 @@ impl Model {
         take_list(list)
     }
 
+    /// Upstream's non-fused training, first half: a forward in training mode whose outputs
+    /// `backward` can back-propagate later (`rp_forward_train`). Outputs as for `forward`.
+    pub fn forward_train(
+        &mut self,
+        inputs: &[&dyn AsDlpack],
+        config: Option<&RunConfig>,
+    ) -> Result<Vec<DlTensor>> {
+        let managed = borrowed_managed(inputs);
+        let ptrs: Vec<*const sys::DLManagedTensor> =
+            managed.iter().map(|m| m as *const _).collect();
+        let mut list = ptr::null_mut();
+        self.clear_layer_errors();
+        // SAFETY: the inputs are borrowed for the call and outlive it.
+        check(unsafe {
+            sys::rp_forward_train(
+                &mut list,
+                self.ptr.as_ptr(),
+                ptrs.as_ptr(),
+                ptrs.len(),
+                config.map_or(ptr::null(), |c| c.as_ptr()),
+            )
+        })
+        .map_err(|e| self.with_layer_details(e))?;
+        take_list(list)
+    }
+
+    /// Second half (`rp_backward`): the gradients of the last `forward_train`'s outputs, laid
+    /// out as it returned them (`None`: no gradient for that output); the parameter gradients
+    /// accumulate until the next step.
+    pub fn backward(&mut self, output_grads: &[Option<&dyn AsDlpack>]) -> Result<()> {
+        let present: Vec<&dyn AsDlpack> = output_grads.iter().flatten().copied().collect();
+        let managed = borrowed_managed(&present);
+        let mut next = managed.iter();
+        let ptrs: Vec<*const sys::DLManagedTensor> = output_grads
+            .iter()
+            .map(|g| match g {
+                Some(_) => next.next().map_or(ptr::null(), |m| m as *const _),
+                None => ptr::null(),
+            })
+            .collect();
+        self.clear_layer_errors();
+        // SAFETY: the gradients are borrowed for the call and outlive it.
+        check(unsafe { sys::rp_backward(self.ptr.as_ptr(), ptrs.as_ptr(), ptrs.len()) })
+            .map_err(|e| self.with_layer_details(e))
+    }
+
     /// Training: forward, loss and backward of every microbatch in one pipelined pass. Returns
     /// the sum of the microbatch losses; gradients accumulate until the next step. `loss`
     /// `None` means the model's output is the loss.
