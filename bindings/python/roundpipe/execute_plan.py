@@ -155,18 +155,16 @@ class ModelExecutePlan:
         return [len(r) for r in stages]
 
     def layers_per_stage_hint(self) -> List[int]:
-        """Layers per stage without knowing the model's layer count (a model-level plan, before
-        the model exists): the forward stages, and the first backward stage when it starts
-        where the forward plan stops (the fused form). Checked in full once the model exists."""
+        """Layers per stage before the model's layer count is known (a model-level plan):
+        the plan checked as covering layers 0..N-1, N the highest layer it names + 1, in
+        either form. The engine then checks N against the model (and check_model_plan
+        repeats upstream's rules with the model's count)."""
         fwd = _ranges(self.fwd_plan, "fwd_plan")
         bwd = _ranges(self.bwd_plan, "bwd_plan")
-        covered = fwd[-1].stop if fwd else 0
-        stages = list(fwd)
-        if bwd and bwd[0].start == covered and bwd[0].stop > covered:
-            stages.append(bwd[0])
-        if not stages:
+        top = max([r.stop for r in fwd + bwd] or [0])
+        if top == 0:
             raise _bad("the plan has no stage")
-        return [len(r) for r in stages]
+        return self.stage_plan(top)
 
     # -- auto -----------------------------------------------------------------------------------
 
