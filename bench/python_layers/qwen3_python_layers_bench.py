@@ -183,8 +183,8 @@ def causal_lm_loss(n_mb):
     """transformers' labels= loss of one microbatch, over labels already shifted by one (the
     last position -100), so the logits are used as they are: no slice, no copy before the
     fp32 cast; / n_mb: the batch mean over microbatches of equal size."""
-    def loss_fn(logits, shifted):
-        return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(),
+    def loss_fn(outputs, shifted):  # outputs: the model's CausalLMOutputWithPast
+        return F.cross_entropy(outputs.logits.flatten(0, 1).float(), shifted.flatten(),
                                ignore_index=-100) / n_mb
     return loss_fn
 

@@ -115,9 +115,9 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             directory = args.save or os.path.join(tmp, "qwen3-tiny")
             model.save_pretrained(directory)  # config.json + model.safetensors
-            logits = model(ids, mask)
+            logits = model(ids, mask).logits  # a transformers CausalLMOutputWithPast
             with RoundPipe(directory, devices=parse_devices(args.devices)) as reloaded:
-                again = reloaded(ids, mask)
+                again = reloaded(ids, mask).logits
             print("saved %s (%s); reloaded: max |logit difference| %.3g"
                   % (directory, ", ".join(sorted(os.listdir(directory))),
                      (again - logits).abs().max().item()))

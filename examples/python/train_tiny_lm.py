@@ -92,7 +92,7 @@ def greedy_sample(model):
     ids = list(PROMPT)
     with torch.no_grad():
         while len(ids) < len(PROMPT) + SAMPLE_BYTES:
-            logits = model(torch.tensor([ids]))  # [1, length, VOCAB]
+            logits = model(torch.tensor([ids])).logits  # [1, length, VOCAB]
             best = int(logits[0, -1].argmax())
             if best == END_OF_DOC:
                 break
@@ -167,8 +167,8 @@ def main():
         with RoundPipe(directory, devices=(args.devices, 1 if args.devices == "cpu" else 0),
                        model_run_config=RoundPipeRunConfig(num_microbatch=1)) as reloaded, \
                 torch.no_grad():
-            logits = model(ids)
-            difference = (reloaded(ids) - logits).abs().max().item()
+            logits = model(ids).logits  # a CausalLMOutputWithPast, as transformers'
+            difference = (reloaded(ids).logits - logits).abs().max().item()
         print("saved %s; reloaded, max |logit difference| %.3g" % (directory, difference))
     hf_difference = check_with_transformers(directory, ids, logits, ours)
 

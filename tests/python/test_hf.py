@@ -123,7 +123,7 @@ def test_causal_lm_loss_is_the_batch_mean_token_cross_entropy_of_the_logits(tmp_
     model = qwen3_from_config_dir(tmp_path)
     with model:
         ids, mask, labels = lm_batch()
-        logits = model(ids, mask)
+        logits = model(ids, mask).logits
         assert logits.shape == (6, 12, VOCAB) and logits.dtype == torch.float32
         want = causal_lm_reference(logits, labels)
         for n in (1, 3, 6):  # the mean over the whole batch, whatever the microbatches
@@ -137,10 +137,10 @@ def test_causal_lm_loss_is_the_batch_mean_token_cross_entropy_of_the_logits(tmp_
         # The fused loss never forms the logits, so there are no outputs to return.
         with pytest.raises(RoundPipeUnsupportedError, match="forward\\(\\) for logits"):
             model.forward_backward((ids, mask), label=labels, return_outputs=True)
-        # A Python loss_fn receives the logits; return_outputs gives them back merged.
+        # A Python loss_fn receives the output object; return_outputs gives it back merged.
         _, outputs = model.forward_backward((ids, mask), label=labels, return_outputs=True,
-                                            loss_fn=lambda out, y: out.sum() * 0)
-        torch.testing.assert_close(outputs, logits, rtol=RTOL, atol=ATOL)
+                                            loss_fn=lambda out, y: out.logits.sum() * 0)
+        torch.testing.assert_close(outputs.logits, logits, rtol=RTOL, atol=ATOL)
 
 
 def test_causal_lm_gradients_equal_a_python_loss_fn_through_autograd(tmp_path):
@@ -149,7 +149,8 @@ def test_causal_lm_gradients_equal_a_python_loss_fn_through_autograd(tmp_path):
         ids, mask, labels = lm_batch()
         targets = int((labels[:, 1:] != -100).sum())
 
-        def loss_fn(logits, labels_m):  # one microbatch: its summed token losses / all targets
+        def loss_fn(out, labels_m):  # one microbatch: its summed token losses / all targets
+            logits = out.logits
             return torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, VOCAB), labels_m[:, 1:].reshape(-1),
                 ignore_index=-100, reduction="sum") / targets
@@ -171,8 +172,8 @@ def test_config_dict_and_config_directory_build_the_same_model(tmp_path):
     with qwen3_from_config_dir(tmp_path, seed=3) as a, \
             roundpipe.RoundPipe(QWEN3_CONFIG, devices=DEVICES, seed=3) as b, \
             roundpipe.RoundPipe(json.dumps(QWEN3_CONFIG), devices=DEVICES, seed=3) as c:
-        want = a(ids, mask)
-        assert torch.equal(b(ids, mask), want) and torch.equal(c(ids, mask), want)
+        want = a(ids, mask).logits
+        assert torch.equal(b(ids, mask).logits, want) and torch.equal(c(ids, mask).logits, want)
 
 
 def test_model_dtype_follows_the_config_dtype_as_from_pretrained_does():
@@ -181,10 +182,10 @@ def test_model_dtype_follows_the_config_dtype_as_from_pretrained_does():
                          (dict(QWEN3_CONFIG, dtype=None, torch_dtype="float16"), torch.float16),
                          (dict(QWEN3_CONFIG, dtype=None), torch.float32)):
         with roundpipe.RoundPipe(config, devices=DEVICES) as model:
-            assert model(ids, mask).dtype == want
+            assert model(ids, mask).logits.dtype == want
     with roundpipe.RoundPipe(dict(QWEN3_CONFIG, dtype="bfloat16"), devices=DEVICES,
                              model_dtype=torch.float32) as model:
-        assert model(ids, mask).dtype == torch.float32
+        assert model(ids, mask).logits.dtype == torch.float32
 
 
 def test_save_pretrained_then_roundpipe_directory_gives_the_same_logits(tmp_path):
@@ -197,46 +198,46 @@ def test_save_pretrained_then_roundpipe_directory_gives_the_same_logits(tmp_path
             model.forward_backward((ids, mask), label=labels)
             model.step(opt)
         model.save_pretrained(str(out))  # synchronizes first
-        want = model(ids, mask)
+        want = model(ids, mask).logits
         state = model.state_dict()
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["dtype"] == "float32"
     assert config["vocab_size"] == VOCAB and config["tie_word_embeddings"] is True
     with roundpipe.RoundPipe(str(out), devices=DEVICES) as reloaded:
-        assert torch.equal(reloaded(ids, mask), want)
+        assert torch.equal(reloaded(ids, mask).logits, want)
         got = reloaded.state_dict()
         assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
     # load_pretrained puts the saved weights into a freshly initialised model of that config
     with roundpipe.RoundPipe(QWEN3_CONFIG, devices=DEVICES, seed=9) as other:
-        assert not torch.equal(other(ids, mask), want)
+        assert not torch.equal(other(ids, mask).logits, want)
         other.load_pretrained(str(out))
-        assert torch.equal(other(ids, mask), want)
+        assert torch.equal(other(ids, mask).logits, want)
 
 
 def test_causal_lm_inputs_by_position_or_keyword_and_position_ids(tmp_path):
     model = qwen3_from_config_dir(tmp_path)
     with model:
         ids, mask, _ = lm_batch()
-        want = model(ids, mask)
-        assert torch.equal(model(input_ids=ids, attention_mask=mask), want)
-        assert torch.equal(model(ids, attention_mask=mask), want)
-        assert torch.equal(model(ids, mask.bool()), want)
-        no_mask = model(ids)
-        assert torch.equal(model(ids, None), no_mask)
+        want = model(ids, mask).logits
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, want)
+        assert torch.equal(model(ids, attention_mask=mask).logits, want)
+        assert torch.equal(model(ids, mask.bool()).logits, want)
+        no_mask = model(ids).logits
+        assert torch.equal(model(ids, None).logits, no_mask)
         # Position ids 0..seq-1 are the default; given alone they come with an all-ones mask.
         positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
-        torch.testing.assert_close(model(ids, position_ids=positions), no_mask,
+        torch.testing.assert_close(model(ids, position_ids=positions).logits, no_mask,
                                    rtol=RTOL, atol=ATOL)
         # Shifted positions change the logits (RoPE sees them).
-        assert not torch.allclose(model(ids, position_ids=positions + 5), no_mask)
+        assert not torch.allclose(model(ids, position_ids=positions + 5).logits, no_mask)
         # [1, seq] positions replicated to every microbatch, through a split spec by keyword.
         cfg = RoundPipeRunConfig(split_input=(None, {"position_ids": roundpipe.REPLICATE}))
         torch.testing.assert_close(
             model(input_ids=ids, attention_mask=mask, position_ids=positions[:1],
-                  roundpipe_run_config=cfg), want, rtol=RTOL, atol=ATOL)
-        with pytest.raises(RoundPipeUnsupportedError, match="forward_backward\\(label="):
-            model(input_ids=ids, labels=ids)
+                  roundpipe_run_config=cfg).logits, want, rtol=RTOL, atol=ATOL)
+        # labels= gives transformers' loss of the batch (tests/python/test_upstream_hf_outputs.py)
+        assert model(input_ids=ids, labels=ids).loss.dim() == 0
         with pytest.raises(RoundPipeUnsupportedError, match="token_type_ids"):
             model(input_ids=ids, token_type_ids=ids)
         with pytest.raises(TypeError, match="both positionally and by keyword"):
@@ -358,14 +359,14 @@ def test_wrapped_transformers_model_computes_transformers_logits(family, tied):
     ids, mask, _ = lm_batch()
     with wrap(hf) as model, torch.no_grad():
         assert model.config is hf.config  # forwarded to the original model
-        torch.testing.assert_close(model(input_ids=ids), hf(input_ids=ids).logits,
+        torch.testing.assert_close(model(input_ids=ids).logits, hf(input_ids=ids).logits,
                                    rtol=RTOL, atol=ATOL)
-        got = model(input_ids=ids, attention_mask=mask)
+        got = model(input_ids=ids, attention_mask=mask).logits
         want = hf(input_ids=ids, attention_mask=mask).logits
         real = mask.bool()  # padding queries may differ (docs/semantics.md); real ones not
         torch.testing.assert_close(got[real], want[real], rtol=RTOL, atol=ATOL)
         positions = (torch.arange(ids.shape[1]) + 3).expand_as(ids).contiguous()
-        torch.testing.assert_close(model(ids, position_ids=positions),
+        torch.testing.assert_close(model(ids, position_ids=positions).logits,
                                    hf(input_ids=ids, position_ids=positions).logits,
                                    rtol=RTOL, atol=ATOL)
 
@@ -415,7 +416,7 @@ def test_training_steps_lower_the_loss_as_transformers_with_adamw_does(family, t
         assert ours[-1] < ours[0] - 0.5, ours
         # copy_to_module puts the trained weights back into the transformers model.
         model.synchronize()
-        trained = model(ids)
+        trained = model(ids).logits
         fresh = tiny_hf_model(family, seed=1, tied=tied)
         model.copy_to_module(fresh)
         with torch.no_grad():
@@ -437,7 +438,7 @@ def test_save_pretrained_loads_in_transformers_with_equal_logits(family, tied, t
             model.step(opt)  # async
         model.save_pretrained(str(tmp_path / "out"))
         model.synchronize()
-        want = model(ids)
+        want = model(ids).logits
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert type(loaded) is type(hf) and loaded.dtype == torch.float32
     with torch.no_grad():
@@ -449,7 +450,7 @@ def test_save_pretrained_loads_in_transformers_with_equal_logits(family, tied, t
     hf.save_pretrained(str(tmp_path / "theirs"))
     with roundpipe.RoundPipe(str(tmp_path / "theirs"), devices=DEVICES) as model, \
             torch.no_grad():
-        torch.testing.assert_close(model(ids), hf(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(model(ids).logits, hf(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
 
 
 @needs_transformers
@@ -462,12 +463,12 @@ def test_sharded_transformers_checkpoint_loads_and_saves_in_the_same_layout(tmp_
     ids, mask, labels = lm_batch()
     with roundpipe.RoundPipe(str(tmp_path / "sharded"), devices=DEVICES) as model:
         with torch.no_grad():
-            torch.testing.assert_close(model(ids), hf(input_ids=ids).logits, rtol=RTOL,
+            torch.testing.assert_close(model(ids).logits, hf(input_ids=ids).logits, rtol=RTOL,
                                        atol=ATOL)
         model.forward_backward((ids, mask), label=labels)
         model.step(roundpipe.optim.AdamW(lr=1e-2), is_async=False)
         model.save_pretrained(str(tmp_path / "out"))
-        want = model(ids)
+        want = model(ids).logits
     saved = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors"))
     assert saved == shards and (tmp_path / "out" / "model.safetensors.index.json").exists()
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
@@ -480,7 +481,7 @@ def test_bfloat16_transformers_model_is_wrapped_in_bfloat16():
     hf = tiny_hf_model("qwen3").to(torch.bfloat16)
     ids, _, labels = lm_batch()
     with wrap(hf) as model, torch.no_grad():
-        got = model(ids)
+        got = model(ids).logits
         assert got.dtype == torch.bfloat16
         want = hf(input_ids=ids).logits
         # bf16 has 8 bits of mantissa: compare at its resolution (2^-8 relative).

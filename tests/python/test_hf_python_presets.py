@@ -48,6 +48,7 @@ def gpt2():
 
 def causal_lm_loss(logits, labels):
     """transformers' labels= loss of one microbatch: token t scored against label t + 1."""
+    logits = logits.logits  # the model's CausalLMOutputWithPast
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                              labels[:, 1:].flatten()) / N_MB
 
@@ -79,7 +80,8 @@ def test_losses_match_transformers(make):
     ids = torch.randint(0, VOCAB, (6, 10), generator=g)
     ref.eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids), ref(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(model(ids).logits, ref(input_ids=ids).logits, rtol=RTOL,
+                                   atol=ATOL)
     got, want = hf.state_dict(), ref.state_dict()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,

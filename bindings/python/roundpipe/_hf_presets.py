@@ -38,9 +38,10 @@ class DecoderInput(nn.Module):
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
 
-    def forward(self, input_ids, attention_mask=None, **_ignored):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **_ignored):
         embeds = self.embed_tokens(input_ids)
-        position_ids = _positions(embeds)
+        if position_ids is None:
+            position_ids = _positions(embeds)
         mask = _mask(self.config, embeds, attention_mask, position_ids)
         return embeds, mask, position_ids, self.rotary_emb(embeds, position_ids=position_ids)
 
@@ -100,6 +101,14 @@ class GPT2Block(nn.Module):
         mask = _no_grad(mask)
         out = self.block(hidden, None, mask, use_cache=False)
         return (out[0] if isinstance(out, tuple) else out), mask
+
+
+def peft_base_model(model):
+    """The transformers model inside a PEFT model (``get_peft_model(...)``: its adapters
+    injected into that model's modules), else None."""
+    if type(model).__module__.split(".")[0] == "peft" and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return None
 
 
 def sequential_preset(model):

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ._args import call_site_name, parse_devices, parse_host_memory
-from ._hf_presets import sequential_preset
+from ._hf_presets import peft_base_model, sequential_preset
+from .causal_lm import CausalLM
 from .config import RoundPipeRunConfig
 from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
@@ -138,15 +139,21 @@ def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=1
             wrapped = build(model, model_run_config)
             wrapped.set_original_model(model)
             return wrapped
-        preset = sequential_preset(model)
+        # A PEFT model (LoRA adapters inside its transformers model): the Python preset of the
+        # model it wraps, whose frozen base weights stay frozen and adapters train.
+        base = peft_base_model(model)
+        preset = sequential_preset(base if base is not None else model)
         if preset is not None:
             wrapped = build(preset, model_run_config)
             wrapped.set_original_model(model)
+            wrapped._causal_lm = CausalLM.of_transformers(base if base is not None else model)
+            if wrapped._causal_lm is not None:
+                wrapped._causal_lm.original = model
             return wrapped
         if use_sequential_preset is True:
             raise RoundPipeUnsupportedError(
                 "no Sequential preset exists for %s (native presets: %s; Python presets: "
-                "GPT-2 and Llama-like transformers causal LMs)"
+                "GPT-2 and Llama-like transformers causal LMs, also inside a PEFT model)"
                 % (type(model).__name__, ", ".join(HF_ARCHITECTURES)))
 
     total = _bytes(itertools.chain(model.parameters(), model.buffers()))
