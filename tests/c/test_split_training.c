@@ -1,0 +1,174 @@
+/*
+ * test_split_training.c - upstream's non-fused training through the C API: rp_forward_train,
+ * then rp_backward with the caller's gradients of the outputs. Two linear layers in two stages
+ * on two CPU worker devices, weights set by hand; the expected gradients are worked out in C (in
+ * double) from the chain rule: for h = W1 x + b1, y = W2 h + b2 and dL/dy = g per row,
+ * dW2 = sum g h^T, db2 = sum g, dh = W2^T g, dW1 = sum dh x^T, db1 = sum dh. fp32 engine against
+ * double reference: 1e-5 relative (a few fp32 roundings of 4-term sums).
+ */
+#include "test_support.h"
+
+#include <math.h>
+#include <string.h>
+
+enum { ROWS = 6, IN = 3, HID = 2, OUT = 2 };
+static const char *SPEC = "{\"layers\": [{\"type\": \"linear\", \"in\": 3, \"out\": 2},"
+                          "{\"type\": \"linear\", \"in\": 2, \"out\": 2}]}";
+static const float W1[HID * IN] = {0.5f, -1.0f, 0.25f, 1.5f, 0.75f, -0.5f};
+static const float B1[HID] = {0.1f, -0.2f};
+static const float W2[OUT * HID] = {1.0f, -0.5f, 0.25f, 2.0f};
+static const float B2[OUT] = {0.3f, 0.0f};
+
+static rp_model *model_with_known_weights(void) {
+    static const int32_t plan[] = {1, 1};
+    rp_model *m = ts_model(SPEC, 1, 2, plan, 2);
+    ts_set_master(m, 0, W1, HID * IN);
+    ts_set_master(m, 1, B1, HID);
+    ts_set_master(m, 2, W2, OUT * HID);
+    ts_set_master(m, 3, B2, OUT);
+    return m;
+}
+
+/* Expected gradients (W1, b1, W2, b2 concatenated) for inputs x and output gradients g. */
+static void expected_grads(const float *x, const float *g, double *out) {
+    memset(out, 0, sizeof(double) * (HID * IN + HID + OUT * HID + OUT));
+    double *dw1 = out, *db1 = out + HID * IN, *dw2 = db1 + HID, *db2 = dw2 + OUT * HID;
+    for (int r = 0; r < ROWS; ++r) {
+        double h[HID], dh[HID] = {0};
+        for (int j = 0; j < HID; ++j) {
+            h[j] = B1[j];
+            for (int i = 0; i < IN; ++i)
+                h[j] += (double)W1[j * IN + i] * x[r * IN + i];
+        }
+        for (int k = 0; k < OUT; ++k) {
+            double gk = g[r * OUT + k];
+            db2[k] += gk;
+            for (int j = 0; j < HID; ++j) {
+                dw2[k * HID + j] += gk * h[j];
+                dh[j] += (double)W2[k * HID + j] * gk;
+            }
+        }
+        for (int j = 0; j < HID; ++j) {
+            db1[j] += dh[j];
+            for (int i = 0; i < IN; ++i)
+                dw1[j * IN + i] += dh[j] * x[r * IN + i];
+        }
+    }
+}
+
+static void assert_grads(rp_model *m, const double *want) {
+    TS_OK(rp_synchronize(m));
+    ts_params *grads = ts_grads(m);
+    size_t offset = 0;
+    for (size_t p = 0; p < grads->count; ++p)
+        for (int64_t i = 0; i < grads->numel[p]; ++i, ++offset) {
+            double got = grads->data[p][i], w = want[offset];
+            if (fabs(got - w) > 1e-5 * fmax(1.0, fabs(w)))
+                fail_msg("%s[%lld]: %.8g, expected %.8g", grads->names[p], (long long)i, got, w);
+        }
+    ts_params_free(grads);
+}
+
+static void make_data(float *x, float *g) {
+    ts_fill_uniform(x, ROWS * IN, 11, -1.0f, 1.0f);
+    ts_fill_uniform(g, ROWS * OUT, 12, -1.0f, 1.0f);
+}
+
+static void merged_outputs_back_propagate_to_the_hand_computed_gradients(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    rp_run_config *cfg = ts_config(3, 0);
+    rp_tensor_list *outs = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, cfg));
+    size_t n = 0;
+    TS_OK(rp_tensor_list_size(&n, outs));
+    assert_int_equal(n, 1);
+    /* Wrong shape, then wrong count: refused, and the forward's state is kept for a correct call. */
+    const int64_t bad_shape[] = {ROWS - 1, OUT};
+    DLManagedTensor *bad = ts_f32(2, bad_shape, g);
+    TS_ERR(rp_backward(m, (const DLManagedTensor *const *)&bad, 1), RP_ERR_INVALID_ARGUMENT,
+           "shape", NULL);
+    const DLManagedTensor *two[2] = {grad, grad};
+    TS_ERR(rp_backward(m, two, 2), RP_ERR_INVALID_ARGUMENT, "1 gradient", NULL);
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g, want);
+    assert_grads(m, want);
+    /* Once per forward. */
+    TS_ERR(rp_backward(m, (const DLManagedTensor *const *)&grad, 1), RP_ERR_STATE,
+           "no forward", NULL);
+    ts_free(bad);
+    ts_free(in);
+    ts_free(grad);
+    rp_tensor_list_destroy(outs);
+    rp_run_config_destroy(cfg);
+    rp_model_destroy(m);
+}
+
+static void unmerged_outputs_take_one_gradient_per_microbatch(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, piece[] = {ROWS / 2, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x);
+    rp_run_config *cfg = ts_config(2, 0);
+    TS_OK(rp_run_config_set_merge_output(cfg, 0));
+    rp_tensor_list *outs = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, cfg));
+    size_t n = 0;
+    TS_OK(rp_tensor_list_size(&n, outs));
+    assert_int_equal(n, 2);
+    /* Microbatch 1 gets no gradient (NULL): only rows 0..2 count. */
+    DLManagedTensor *g0 = ts_f32(2, piece, g);
+    const DLManagedTensor *grads[2] = {g0, NULL};
+    TS_OK(rp_backward(m, grads, 2));
+    float g_first_half[ROWS * OUT];
+    memcpy(g_first_half, g, sizeof g);
+    for (int i = ROWS / 2 * OUT; i < ROWS * OUT; ++i)
+        g_first_half[i] = 0.0f;
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g_first_half, want);
+    assert_grads(m, want);
+    ts_free(in);
+    ts_free(g0);
+    rp_tensor_list_destroy(outs);
+    rp_run_config_destroy(cfg);
+    rp_model_destroy(m);
+}
+
+static void a_step_between_forward_and_backward_is_refused(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    TS_ERR(rp_backward(m, (const DLManagedTensor *const *)&grad, 1), RP_ERR_STATE, "no forward",
+           NULL);
+    rp_tensor_list *outs = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, NULL));
+    rp_optimizer *sgd = NULL;
+    TS_OK(rp_optimizer_create(&sgd, RP_OPTIMIZER_SGD));
+    TS_OK(rp_step(m, sgd, 0));
+    TS_ERR(rp_backward(m, (const DLManagedTensor *const *)&grad, 1), RP_ERR_STATE,
+           "step", NULL);
+    rp_optimizer_destroy(sgd);
+    ts_free(in);
+    ts_free(grad);
+    rp_tensor_list_destroy(outs);
+    rp_model_destroy(m);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(merged_outputs_back_propagate_to_the_hand_computed_gradients),
+        cmocka_unit_test(unmerged_outputs_take_one_gradient_per_microbatch),
+        cmocka_unit_test(a_step_between_forward_and_backward_is_refused),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
