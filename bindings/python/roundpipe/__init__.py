@@ -38,6 +38,8 @@ from .execute_plan import ModelExecutePlan
 from .timer import ModelTimer
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
+from .context import OptimizerCtx
+from .grad_scaler import GradScaler
 from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
 from .wrap import AutoRoundPipe, wrap_model_to_roundpipe
 
@@ -69,5 +71,5 @@ __all__ = [
     "load_library", "library_path",
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
     "HostStateBytes", "doing_recompute", "save_for_recompute", "get_recompute_data",
-    "AutoRoundPipe", "ModelExecutePlan", "ModelTimer",
+    "AutoRoundPipe", "GradScaler", "OptimizerCtx", "ModelExecutePlan", "ModelTimer",
 ]

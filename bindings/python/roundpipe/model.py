@@ -38,6 +38,7 @@ from ._device_loss import python_loss
 from ._module_sync import copy_into_module, module_tensors
 from ._tree_call import layer_call, tree_inputs, tree_outputs
 from .optim import BuiltinOptimizer
+from .grad_scaler import StepTracker
 
 __all__ = ["RoundPipe", "BuiltinLoss", "HostStateBytes", "RoundPipePackedData", "spec_json"]
 
@@ -137,6 +138,9 @@ class RoundPipe:
         self._run_config = model_run_config
         self._host_memory = host_memory
         self._params = Params(self._model.handle.value)
+        # Python step_fn / loss_fn bookkeeping for GradScaler and OptimizerCtx (grad_scaler.py)
+        self._steps = StepTracker(self._model.grad_scale()[0] > 0, str(name),
+                                  self._sync_engine)
         # The wrapped module's mode: a module put in eval() before wrapping gives inference forwards.
         self.training = bool(getattr(model, "training", True))
         self.model = model if isinstance(model, nn.Module) else None
@@ -481,8 +485,9 @@ class RoundPipe:
             else:  # the binding splits the labels (any pytree) for the Python loss_fn
                 labels = None if label is None else \
                     split_label(label, py.split_label, resolved.num_microbatch)
-                loss = scope.own(python_loss(scope, loss_fn, labels, state, self._python_layers
-                                             [-1].index if self._tree_outputs else None))
+                tail = self._python_layers[-1].index if self._tree_outputs else None
+                loss = scope.own(python_loss(scope, self._steps.wrap_loss(loss_fn), labels,
+                                             state, tail))
             inputs = BorrowedInputs(tensors)
             labels_in = BorrowedInputs([engine_label]) if engine_label is not None else None
             value, outputs = scope.run(model.forward_backward, inputs,
@@ -539,6 +544,12 @@ class RoundPipe:
         and .grad is an fp32 copy of them (writes to it do not reach the engine); a built-in
         optimizer is the memory-saving path there (bf16 moments, no copies).
 
+        step_fn runs inside :class:`roundpipe.OptimizerCtx`; a :class:`roundpipe.GradScaler`
+        used in it unscales with the scale this step's gradients were made with. A step the
+        engine skips (inf / nan gradients: ``skip_nonfinite_steps``, or its fp16 loss scaler)
+        does not run step_fn: a warning is logged on the "roundpipe" logger and GradScalers
+        count it as an overflow.
+
         Async (default): returns at once; the next forward_backward runs on the weights from
         before this step (staleness one). An exception raised by an async step_fn is re-raised
         by the next step() or synchronize(). Sync: returns when the new weights are in use, and
@@ -555,13 +566,18 @@ class RoundPipe:
                 if args or kwargs:
                     raise TypeError("a built-in optimizer takes no step arguments")
                 model.step(step_fn, is_async)
+                self._steps.settle(latest_done=True)
             elif callable(step_fn):
-                key = registry.add(StepCall(params, step_fn, args, kwargs))
+                call = self._steps.begin_step(step_fn, args, kwargs, is_async)
+                key = registry.add(StepCall(params, call, (), {}))
                 try:
                     model.step_callback(key, is_async)
                 except RoundPipeError:
-                    registry.pop(key)  # not enqueued (a sync step that ran popped it already)
+                    # not enqueued (a sync step that ran popped it already)
+                    if registry.pop(key) is not None:
+                        self._steps.cancel(call)
                     raise
+                self._steps.settle(latest_done=not is_async)  # earlier steps have finished
             else:
                 raise TypeError("step_fn must be a callable or a roundpipe.optim optimizer")
             return
@@ -587,6 +603,7 @@ class RoundPipe:
             model.call("synchronize")
         except RoundPipeError as err:
             failure = err
+        self._steps.settle(latest_done=True)
         if failure is not None:
             self._raise_step_failure(failure)
         self._params.attach_grads(model.handle.value)
