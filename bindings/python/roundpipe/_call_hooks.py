@@ -5,7 +5,10 @@ per-call execute_plan checked against the engine's plan, and the timer fed after
 import functools
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
-from ._microbatch import RoundPipePackedData, chained_call
+import torch
+
+from ._microbatch import RoundPipePackedData, chained_call, packed_requiring_grad
+from .errors import RoundPipeUnsupportedError
 from .execute_plan import check_call_plan
 from .timer import ModelTimer
 
@@ -18,6 +21,11 @@ def forward_call(method: F) -> F:
     def forward(self: Any, *args: Any, roundpipe_run_config: Optional[Any] = None,
                 **kwargs: Any) -> Any:
         self.handle  # raises when closed
+        if torch.is_grad_enabled() and self.training and packed_requiring_grad(args, kwargs):
+            raise RoundPipeUnsupportedError(
+                "args / kwargs: a RoundPipePackedData input requires grad, and the engine "
+                "returns no gradients for a call's inputs, so backward would stop at this model; "
+                "make the input under torch.no_grad() or with the first model in eval()")
         args, kwargs, config = chained_call(args, kwargs, roundpipe_run_config,
                                             self.model_run_config)
         check_call_plan(self, config, "infer")
@@ -39,6 +47,12 @@ def forward_backward_call(method: F) -> F:
         if isinstance(input_args, RoundPipePackedData) or \
                 not isinstance(input_args, (tuple, list)):
             input_args = (input_args,)
+        if packed_requiring_grad(input_args, input_kwargs):
+            raise RoundPipeUnsupportedError(
+                "input_args / input_kwargs: a RoundPipePackedData input requires grad, and "
+                "forward_backward() does not back-propagate into its inputs (the engine returns "
+                "no input gradients); make it under torch.no_grad() or with the first model in "
+                "eval(), or chain with forward() and loss.backward()")
         input_args, input_kwargs, config = chained_call(
             tuple(input_args), input_kwargs, run_config, self.model_run_config)
         check_call_plan(self, config, "fused")

@@ -161,10 +161,10 @@ def merge_by_spec(values: List[Any], spec: Any, where: str) -> Any:
     if _is_reducer(spec):
         return functools.reduce(spec.reduce_fn, values, spec.init_value)
     if _is_chunk_spec(spec):
-        if not all(isinstance(v, torch.Tensor) for v in values):
+        if not all(isinstance(v, torch.Tensor) and v.dim() > spec.split_dim for v in values):
             raise RoundPipeError(Status.INVALID_ARGUMENT, "%s: TensorChunkSpec(%d) needs a "
-                                 "tensor, the output there is a %s"
-                                 % (where, spec.split_dim, type(values[0]).__name__))
+                                 "tensor with dimension %d, the output there is %s"
+                                 % (where, spec.split_dim, spec.split_dim, _describe(values[0])))
         return torch.cat(values, dim=spec.split_dim)
     if _is_replicate(spec):
         return _same(values, where)
@@ -193,6 +193,8 @@ def merge_by_spec(values: List[Any], spec: Any, where: str) -> Any:
 
 
 def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor of shape %s" % (tuple(value.shape),)
     if isinstance(value, (tuple, list)):
         return "a %s of %d" % (type(value).__name__, len(value))
     return "a %s" % type(value).__name__
@@ -263,6 +265,13 @@ def _find_packed(value: Any, found: List[RoundPipePackedData]) -> None:
     elif type(value) is dict:
         for v in value.values():
             _find_packed(v, found)
+
+
+def packed_requiring_grad(args: Any, kwargs: Any) -> bool:
+    """Whether a RoundPipePackedData among the inputs holds a tensor that requires grad."""
+    found: List[RoundPipePackedData] = []
+    _find_packed((tuple(args), dict(kwargs or {})), found)
+    return any(t.requires_grad for p in found for v in p for t in tree_flatten(v)[0])
 
 
 def _select(value: Any, m: int, n: int, dim: Optional[int]) -> Any:
