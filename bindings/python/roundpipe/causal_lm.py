@@ -234,11 +234,8 @@ class CausalLM:
         kwargs, labels, return_logits, keep = self._pop(kwargs)
 
         def finish(result: Any) -> Any:
-            if not isinstance(result, torch.Tensor):
-                if is_model_output(result) or isinstance(result, (list, tuple)) and \
-                        not hasattr(result, "synchronize"):
-                    return result  # a custom merge's own result
-                return make_causal_lm_output(result)  # RoundPipePackedData of logits
+            if not isinstance(result, torch.Tensor):  # per microbatch (merge_output=False)
+                return make_causal_lm_output(result if return_logits else None)
             logits = result
             loss = self.loss(logits, labels) if labels is not None else None
             if keep:
@@ -421,9 +418,9 @@ def _sample(logits: torch.Tensor, temperature: Optional[float], top_k: Optional[
 
 # -- RoundPipe methods of a causal LM (model.py decorates forward and forward_backward) --------
 
-def _merge_config(rp: Any, causal: CausalLM, run_config: Any) -> Any:
-    """`run_config` with a custom merge function (the call's or the model's) wrapped to see the
-    output objects; `run_config` itself when there is none."""
+def _merge_config(rp: Any, causal: CausalLM, run_config: Any) -> Tuple[Any, bool]:
+    """(`run_config` with a custom merge function (the call's or the model's) wrapped to see the
+    output objects, whether such a function merges: its result is the call's, as it is)."""
     import copy
 
     merge = getattr(run_config, "merge_output", None) if run_config is not None else None
@@ -431,14 +428,14 @@ def _merge_config(rp: Any, causal: CausalLM, run_config: Any) -> Any:
         merge = getattr(rp.__dict__.get("_run_config"), "merge_output", None)
     wrapped = causal.merge_function(merge)
     if wrapped is merge:
-        return run_config
+        return run_config, False
     if run_config is None:
         from .config import RoundPipeRunConfig
         run_config = RoundPipeRunConfig()
     else:
         run_config = copy.copy(run_config)
     run_config.merge_output = wrapped
-    return run_config
+    return run_config, True
 
 
 def causal_lm_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -452,8 +449,9 @@ def causal_lm_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         if causal is None:
             return forward(self, *args, roundpipe_run_config=roundpipe_run_config, **kwargs)
         args, kwargs, finish = causal.forward_call(args, kwargs)
-        config = _merge_config(self, causal, roundpipe_run_config)
-        return finish(forward(self, *args, roundpipe_run_config=config, **kwargs))
+        config, custom = _merge_config(self, causal, roundpipe_run_config)
+        result = forward(self, *args, roundpipe_run_config=config, **kwargs)
+        return result if custom else finish(result)
 
     return wrapper
 
@@ -474,12 +472,12 @@ def causal_lm_forward_backward(forward_backward: Callable[..., Any]) -> Callable
                                     return_outputs, run_config)
         input_args, input_kwargs, label, loss_fn, finish = causal.training_call(
             input_args, input_kwargs, label, loss_fn, return_outputs)
-        config = _merge_config(self, causal, run_config)
+        config, custom = _merge_config(self, causal, run_config)
         result = forward_backward(self, input_args, input_kwargs, label, loss_fn,
                                   return_outputs, config)
         if return_outputs:
             value, outputs = result
-            return value, finish(outputs)
+            return value, outputs if custom else finish(outputs)
         return result
 
     return wrapper
