@@ -208,12 +208,50 @@ def _rebuild_sequence(like: Any, items: List[Any]) -> Any:
     return list(items)
 
 
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether two pytrees match outside their tensors: containers, keys, registered types'
+    contexts and non-tensor leaves (compared with ==)."""
+    def walk(x: Any, y: Any) -> bool:
+        if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == 3 and len(y) == 3:
+            kind, info, children = x
+            if kind != y[0]:
+                return False
+            if kind == "registered":
+                if info[0] is not y[1][0] or not _truthy(info[1], y[1][1]):
+                    return False
+            elif kind == "leaf":
+                return _truthy(info, y[1])
+            elif kind == "dataclass":
+                if type(info[0]) is not type(y[1][0]) or info[1] != y[1][1]:
+                    return False
+            elif info != y[1]:
+                return False
+            return len(children) == len(y[2]) and all(walk(c, d) for c, d in zip(children,
+                                                                                 y[2]))
+        return type(x) is type(y)  # tensor nodes
+    return walk(tree_flatten(a)[1].node, tree_flatten(b)[1].node)
+
+
+def _truthy(x: Any, y: Any) -> bool:
+    try:
+        return x is y or bool(x == y)
+    except Exception:  # noqa: BLE001 - a type whose == is not a truth value
+        return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal values: tensors by shape and contents, structures leaf by leaf (context too)."""
+    ta, tb = tree_flatten(a)[0], tree_flatten(b)[0]
+    if len(ta) != len(tb) or any(x.shape != y.shape or not torch.equal(x, y)
+                                 for x, y in zip(ta, tb)):
+        return False
+    return _same_structure(a, b)
+
+
 def _same(values: List[Any], where: str) -> Any:
     first = values[0]
     for m, v in enumerate(values[1:], 1):
-        equal = torch.equal(first, v) if isinstance(first, torch.Tensor) and \
-            isinstance(v, torch.Tensor) else bool(first == v)
-        if not equal:
+        if not _equal(first, v):
             raise RoundPipeError(Status.INVALID_ARGUMENT, "%s: microbatch %d's output differs "
                                  "from microbatch 0's, and the merge spec says every "
                                  "microbatch gives the same value" % (where, m))
@@ -230,6 +268,11 @@ def merge_default(values: List[Any], where: str = "merge_output") -> Any:
             raise RoundPipeError(Status.INVALID_ARGUMENT, "%s: microbatch %d's output has %d "
                                  "tensors, microbatch 0's %d" % (where, m, s.num_tensors,
                                                                  spec.num_tensors))
+    for m, v in enumerate(values[1:], 1):
+        if not _same_structure(values[0], v):
+            raise RoundPipeError(Status.INVALID_ARGUMENT, "%s: microbatch %d's output differs "
+                                 "from microbatch 0's in a value that is not a tensor (upstream's "
+                                 "merge checks them equal)" % (where, m))
     merged = []
     for i in range(spec.num_tensors):
         leaves = [f[0][i] for f in flat]

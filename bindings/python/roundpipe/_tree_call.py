@@ -14,7 +14,8 @@ import torch
 
 from ._callbacks import SplitCall
 from ._python_layer import CallState
-from ._microbatch import RoundPipePackedData, _input_dims, is_split_function, merge_outputs
+from ._microbatch import (RoundPipePackedData, _input_dims, is_split_function, merge_default,
+                          merge_outputs)
 from ._pytree import flatten
 from .errors import RoundPipeError, Status
 
@@ -74,7 +75,7 @@ def tree_outputs(tensors, state, last_index, num_microbatch, custom, merge):
     if custom is not None:
         return merge_outputs(values, custom, False)
     if merge:
-        return merge_trees(values)
+        return merge_default(values)  # merge_trees' rule, non-tensor leaves checked equal
     return RoundPipePackedData(values)
 
 
