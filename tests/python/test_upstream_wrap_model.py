@@ -1,0 +1,171 @@
+"""Upstream's "Wrap Model" page (UserGuide_BasicUsage_wrap_model), as it shows it:
+
+- presets: ``wrap_model_to_roundpipe(model, use_sequential_preset=True,
+  model_run_config=RoundPipeRunConfig(num_microbatch=4), optim_dtype=torch.float32)`` of a
+  transformers Qwen3 gives a RoundPipe whose ``vocab_size`` and ``config`` are the model's;
+  ``use_sequential_preset=True`` without a preset raises NotImplementedError;
+- custom models: an nn.Sequential "input adapter + blocks + output adapter" through
+  ``RoundPipe(model=..., optim_dtype=..., model_run_config=..., pin_model="alloc")``; a block
+  writing its own buffer in forward (the page's MyBlock) and making temporaries on
+  ``x.device``; trained against plain PyTorch;
+- automatic wrapping: ``use_sequential_preset=False`` on a model that is not a Sequential gives
+  an AutoRoundPipe whose forward equals the model's and which refuses forward_backward.
+
+Tolerance: fp32, relative 1e-5 (absolute 1e-6), as the other Python-layer tests.
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import roundpipe  # noqa: E402
+from roundpipe import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
+
+RTOL = 1e-5
+ATOL = 1e-6
+DEVICES = ("cpu", 2)
+
+
+def test_preset_wrapping_keeps_the_original_models_attributes():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        use_cache=False)
+    hf = transformers.Qwen3ForCausalLM(cfg).float().eval()
+    ids = torch.randint(0, 64, (4, 8))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+    model = wrap_model_to_roundpipe(
+        hf, use_sequential_preset=True,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4), optim_dtype=torch.float32,
+        devices=DEVICES)  # "Additional RoundPipe() constructor arguments can be passed here"
+    with model:
+        assert isinstance(model, RoundPipe)
+        assert model.vocab_size == 64 and model.config is hf.config
+        assert model.resolved_run_config().num_microbatch == 4
+        model.eval()
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=RTOL, atol=ATOL)
+
+
+def test_use_sequential_preset_true_without_a_preset_raises_not_implemented():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x)
+
+    with pytest.raises(NotImplementedError, match="no Sequential preset"):
+        wrap_model_to_roundpipe(Net(), use_sequential_preset=True, devices=DEVICES)
+
+
+class MyBlock(nn.Module):
+    """The page's MyBlock: reads parameters, writes its own buffer, keeps no Python state."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("acc", torch.zeros(16))
+
+    def forward(self, x):
+        out = self.linear(x)
+        self.acc.add_(out.mean(dim=0).detach())
+        # temporaries on the input's device, not a hard-coded one
+        return out * torch.ones(x.shape[0], 1, device=x.device)
+
+
+def sequential_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(32, 16),                 # input adapter: token ids -> hidden states
+        nn.Flatten(),                         # [B, 4, 16] -> [B, 64]
+        nn.Linear(64, 16), nn.Tanh(),
+        MyBlock(),                            # repeated blocks
+        MyBlock(),
+        nn.Linear(16, 8),                     # output adapter
+    )
+
+
+def test_custom_sequential_trains_like_plain_pytorch():
+    net = sequential_model()
+    ref = copy.deepcopy(net)
+    model = RoundPipe(
+        model=net.to(torch.float32),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4),
+        pin_model="alloc",
+        devices=DEVICES,
+    )
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with model:
+        assert model.num_layers == 7
+        for _ in range(3):
+            x = torch.randint(0, 32, (8, 4), generator=g)
+            y = torch.randn(8, 8, generator=g)
+
+            def loss_fn(out, label):
+                return nn.functional.mse_loss(out, label) / 4
+
+            loss = model.forward_backward((x,), label=y, loss_fn=loss_fn)
+            model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            want = 0.0
+            for xm, ym in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
+                mb_loss = loss_fn(ref(xm), ym)
+                mb_loss.backward()
+                want += float(mb_loss.detach())
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert float(loss) == pytest.approx(want, rel=RTOL)
+        model.synchronize()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+        # the standalone buffers were written by each block (one add per microbatch forward)
+        for i in (4, 5):
+            assert float(net[i].acc.abs().sum()) > 0
+        model.eval()
+        x = torch.randint(0, 32, (8, 4), generator=g)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
+
+
+class NotSequential(nn.Module):
+    """A model with its own forward over children: automatic splitting's case."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(2)])
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        for block in self.blocks:
+            h = torch.relu(block(h)) + h
+        return self.head(h)
+
+
+def test_automatic_wrapping_gives_an_auto_roundpipe():
+    torch.manual_seed(0)
+    net = NotSequential()
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 16)
+    model = wrap_model_to_roundpipe(net, use_sequential_preset=False,
+                                    optim_dtype=torch.float32, lower_threshold=1 << 30,
+                                    upper_threshold=1, devices=DEVICES)
+    try:
+        assert isinstance(model, roundpipe.AutoRoundPipe)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
+        with pytest.raises(NotImplementedError, match="forward_backward"):
+            model.forward_backward((x,))
+        assert len(list(model.optim_parameters())) > 0
+    finally:
+        model.close()
