@@ -11,6 +11,8 @@ Weights tied across the adapters (GPT-2's ``lm_head`` and ``wte``) become two co
 trained by its own layer's gradient: tie_word_embeddings=False models train as transformers does.
 """
 
+from typing import Any, Optional
+
 from torch import nn
 
 
@@ -38,7 +40,8 @@ class DecoderInput(nn.Module):
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **_ignored):
+    def forward(self, input_ids: Any, attention_mask: Any = None, position_ids: Any = None,
+                **_ignored: Any) -> Any:
         embeds = self.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = _positions(embeds)
@@ -103,7 +106,7 @@ class GPT2Block(nn.Module):
         return (out[0] if isinstance(out, tuple) else out), mask
 
 
-def peft_base_model(model):
+def peft_base_model(model: Any) -> Optional[nn.Module]:
     """The transformers model inside a PEFT model (``get_peft_model(...)``: its adapters
     injected into that model's modules), else None."""
     if type(model).__module__.split(".")[0] == "peft" and hasattr(model, "get_base_model"):
@@ -111,7 +114,7 @@ def peft_base_model(model):
     return None
 
 
-def sequential_preset(model):
+def sequential_preset(model: Any) -> Optional[nn.Sequential]:
     """An nn.Sequential of `model`'s own modules equivalent to its forward (logits), or None
     when `model` is not a causal LM of a known shape."""
     if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):

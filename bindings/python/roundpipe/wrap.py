@@ -7,7 +7,10 @@ thresholds, nn.ModuleList element-wise, recursion into children; a root that cou
 wrapped whole becomes an :class:`AutoRoundPipe`.
 """
 
+from __future__ import annotations
+
 import itertools
+from typing import Any, Container, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -33,11 +36,11 @@ class RoundPipeModule(nn.Module):
     """A RoundPipe standing where a submodule was, inside a module that upstream's recursion
     could not wrap whole: calling it runs the RoundPipe's forward (inference)."""
 
-    def __init__(self, roundpipe):
+    def __init__(self, roundpipe: RoundPipe) -> None:
         super().__init__()
         object.__setattr__(self, "roundpipe", roundpipe)  # not a submodule: no parameters
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.roundpipe.forward(*args, **kwargs)
 
 
@@ -47,51 +50,56 @@ class AutoRoundPipe:
     (as upstream: the model could not be split into a Sequential); step() and synchronize()
     act on every inner RoundPipe."""
 
-    def __init__(self, model, inner):
+    def __init__(self, model: nn.Module, inner: List[RoundPipe]) -> None:
         self.model = model
         self.roundpipes = inner
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("roundpipe_run_config", None)
         with torch.no_grad():
             return self.model(*args, **kwargs)
 
     __call__ = forward
 
-    def forward_backward(self, *args, **kwargs):
+    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
         raise RoundPipeUnsupportedError(
             "AutoRoundPipe: %s could not be split into a Sequential, so it has no fused "
             "forward_backward (as upstream); wrap its layers as an nn.Sequential, or pass it "
             "to RoundPipe(model) to train it as one layer" % type(self.model).__name__)
 
-    def optim_parameters(self):
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
         return itertools.chain.from_iterable(rp.optim_parameters() for rp in self.roundpipes)
 
     parameters = optim_parameters
 
-    def step(self, step_fn, is_async=True, *args, **kwargs):
+    def step(self, step_fn: Any, is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         for rp in self.roundpipes:
             rp.step(step_fn, is_async, *args, **kwargs)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         for rp in self.roundpipes:
             rp.synchronize()
 
-    def close(self):
+    def close(self) -> None:
         for rp in self.roundpipes:
             rp.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "AutoRoundPipe":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-def wrap_model_to_roundpipe(model, use_sequential_preset=None, lower_threshold=16 * 1024,
-                            upper_threshold=None, skip_modules=(), override_config=None,
-                            model_run_config=None, name=None, host_memory="standard",
-                            native_preset=True, **roundpipe_kwargs):
+def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bool] = None,
+                            lower_threshold: int = 16 * 1024,
+                            upper_threshold: Optional[int] = None,
+                            skip_modules: Container[nn.Module] = (),
+                            override_config: Optional[Dict[nn.Module, RoundPipeRunConfig]] = None,
+                            model_run_config: Optional[RoundPipeRunConfig] = None,
+                            name: Optional[str] = None, host_memory: str = "standard",
+                            native_preset: bool = True, **roundpipe_kwargs: Any
+                            ) -> Union[RoundPipe, "AutoRoundPipe"]:
     """Wrap `model` into a RoundPipe (or an AutoRoundPipe), as upstream does.
 
     1. Presets, unless ``use_sequential_preset=False``: a transformers
