@@ -703,6 +703,18 @@ RP_API rp_status rp_layer_def_add_param(rp_layer_def *def, const char *name,
                                         const DLManagedTensor *initial, int32_t trainable);
 
 /**
+ * Declare a parameter that is another layer's parameter (tied weights: an embedding and an LM
+ * head), in the order the callbacks receive them. It has one master weight, one optimizer state
+ * and one gradient, the sum over every use; its shape, dtype and trainability are those of
+ * `tied_to`.
+ * @param name unique within the layer. @param tied_to the model name ("<layer index>.<name>")
+ *        of a parameter of an earlier layer, checked when the model is built.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, empty or duplicate name, empty tied_to).
+ */
+RP_API rp_status rp_layer_def_add_tied_param(rp_layer_def *def, const char *name,
+                                             const char *tied_to);
+
+/**
  * Declare a buffer (state that is not trained: BatchNorm running statistics, counters), in the
  * order the callbacks receive them. Value copied from `initial`; floating buffers are held in the
  * model dtype, others keep their dtype. Saved and loaded with the parameters; updated only by

@@ -93,6 +93,22 @@ rp_status rp_layer_def_add_param(rp_layer_def *def, const char *name,
     });
 }
 
+rp_status rp_layer_def_add_tied_param(rp_layer_def *def, const char *name,
+                                      const char *tied_to) {
+    return guard([&] {
+        require_arg(def, "def is NULL");
+        require_arg(name && *name, "name is NULL or empty");
+        require_arg(tied_to && *tied_to, "tied_to is NULL or empty");
+        for (const ParamSpec &spec : def->params)
+            require(spec.name != name, "layer \"" + def->type_name + "\", tensor \"" + name +
+                                           "\": the name is declared twice");
+        // The shape is the tied parameter's, known when the model is built.
+        ParamSpec spec(name, {}, InitKind::Given, 0.0, tied_to);
+        spec.shape_from_tie = true;
+        def->params.push_back(std::move(spec));
+    });
+}
+
 rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name,
                                   const DLManagedTensor *initial) {
     return guard([&] { add_tensor(def, name, initial, ParamRole::Buffer); });

@@ -35,6 +35,9 @@ struct ParamSpec {
     // its gradient is the sum over every use.
     std::string tied_to;
     ParamRole role = ParamRole::Trainable;
+    // A tied parameter declared without a shape (caller-defined layers): it takes the shape of
+    // the parameter it is tied to.
+    bool shape_from_tie = false;
     // InitKind::Given: the initial value (host memory); its dtype decides the held dtype of a
     // non-floating frozen parameter or buffer.
     at::Tensor initial;

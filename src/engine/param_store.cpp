@@ -107,7 +107,8 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
                 require(shared >= 0, "layer " + std::to_string(l) + " (" + layers[l]->type() +
                                          "): tied parameter \"" + spec.tied_to +
                                          "\" does not exist in an earlier layer");
-                require(params_[shared].master.sizes() == at::IntArrayRef(spec.shape),
+                require(spec.shape_from_tie ||
+                            params_[shared].master.sizes() == at::IntArrayRef(spec.shape),
                         "layer " + std::to_string(l) + " (" + layers[l]->type() +
                             "): tied parameter \"" + spec.tied_to + "\" has another shape");
                 by_layer_[l].push_back(static_cast<size_t>(shared));

@@ -165,7 +165,10 @@ std::vector<at::Tensor> CallerLayer::forward_list(const std::vector<at::Tensor> 
             continue;
         }
         call.params.push_back(params[i].detach());
-        inv->param_trainable.push_back(params_[i].role == ParamRole::Trainable);
+        // A tied parameter is trainable when the parameter it shares is (its tensor says so).
+        const bool tied = !params_[i].tied_to.empty();
+        inv->param_trainable.push_back(params_[i].role == ParamRole::Trainable &&
+                                       (!tied || params[i].requires_grad()));
         param_tensors.push_back(params[i]);
         wants_grad = wants_grad || params[i].requires_grad();
     }

@@ -440,6 +440,8 @@ def _declare_layers(fn):
     fn("rp_layer_def_destroy", None, [rp_layer_def_p])               # void rp_layer_def_destroy(rp_layer_def *def);
     fn("rp_layer_def_add_param", st,
        [rp_layer_def_p, c_char_p, c_void_p, c_int32])                # rp_status rp_layer_def_add_param(rp_layer_def *def, const char *name, const DLManagedTensor *initial, int32_t trainable);
+    fn("rp_layer_def_add_tied_param", st,
+       [rp_layer_def_p, c_char_p, c_char_p])                         # rp_status rp_layer_def_add_tied_param(rp_layer_def *def, const char *name, const char *tied_to);
     fn("rp_layer_def_add_buffer", st,
        [rp_layer_def_p, c_char_p, c_void_p])                         # rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name, const DLManagedTensor *initial);
     fn("rp_layer_def_set_cost", st, [rp_layer_def_p, c_double])      # rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);

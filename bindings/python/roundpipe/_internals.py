@@ -259,6 +259,10 @@ class LayerDef(Owned):
         lib().rp_layer_def_add_param(self.handle, name.encode(), lent.pointers[0],
                                      int(bool(trainable)))
 
+    def add_tied_param(self, name, tied_to):
+        """A parameter shared with an earlier layer's (its engine name `tied_to`)."""
+        lib().rp_layer_def_add_tied_param(self.handle, name.encode(), tied_to.encode())
+
     def add_buffer(self, name, tensor):
         lent = BorrowedInputs([tensor])
         lib().rp_layer_def_add_buffer(self.handle, name.encode(), lent.pointers[0])

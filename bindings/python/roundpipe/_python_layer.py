@@ -221,16 +221,24 @@ class PythonLayer:
         return "layer %d (%s%s)" % (self.index, self.type_name,
                                     " '%s'" % self.name if self.name else "")
 
-    def declare(self):
+    def declare(self, shared=None):
         """A new rp_layer_def (owned by the caller) with this module's parameters and
-        buffers; registers the layer for its callbacks."""
+        buffers; registers the layer for its callbacks. `shared` maps id(parameter) to the
+        engine name of an earlier Python layer's declaration of it: such a parameter (tied
+        weights) is declared tied, so the engine keeps one weight whose gradient sums both
+        uses; this layer's own parameters are added to it."""
         from ._internals import LayerDef  # the handle owner
         self.key = layers.add(self)
         layer_def = LayerDef(self.type_name, FORWARD_TRAMPOLINE, BACKWARD_TRAMPOLINE,
                              RELEASE_TRAMPOLINE, self.key)
         try:
             for (name, p), trainable in zip(self.module.named_parameters(), self.trainable):
+                if shared is not None and id(p) in shared:
+                    layer_def.add_tied_param(name, shared[id(p)])
+                    continue
                 layer_def.add_param(name, p.detach(), trainable)
+                if shared is not None:
+                    shared[id(p)] = "%d.%s" % (self.index, name)
             for name, b in self.module.named_buffers():
                 layer_def.add_buffer(name, b.detach())
         except BaseException:

@@ -125,7 +125,8 @@ class RoundPipe:
             with RunConfig.build(**model_run_config.engine_fields()) as run_config, \
                     ModelOptions(run_config=run_config, **options) as c_options:
                 # The engine copies each declaration: they live only while it builds.
-                source.layer_defs = [layer.declare() for layer in self._python_layers]
+                shared = {}  # tied weights across Python layers: one engine parameter
+                source.layer_defs = [layer.declare(shared) for layer in self._python_layers]
                 self._model = Model(source, c_options)
         except BaseException:
             self._unregister_layers()

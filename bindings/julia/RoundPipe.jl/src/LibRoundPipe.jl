@@ -586,6 +586,11 @@ rp_layer_def_add_param(def, name, initial, trainable) =
           (Ptr{rp_layer_def}, Cstring, Ptr{DLManagedTensor}, Int32),
           def, name, initial, trainable)
 
+# rp_status rp_layer_def_add_tied_param(rp_layer_def *def, const char *name, const char *tied_to);
+rp_layer_def_add_tied_param(def, name, tied_to) =
+    ccall((:rp_layer_def_add_tied_param, libroundpipe()), rp_status,
+          (Ptr{rp_layer_def}, Cstring, Cstring), def, name, tied_to)
+
 # rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name, const DLManagedTensor *initial);
 rp_layer_def_add_buffer(def, name, initial) =
     ccall((:rp_layer_def_add_buffer, libroundpipe()), rp_status,

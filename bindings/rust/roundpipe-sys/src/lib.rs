@@ -477,6 +477,11 @@ extern "C" {
         initial: *const DLManagedTensor,
         trainable: i32,
     ) -> rp_status;
+    pub fn rp_layer_def_add_tied_param(
+        def: *mut rp_layer_def,
+        name: *const c_char,
+        tied_to: *const c_char,
+    ) -> rp_status;
     pub fn rp_layer_def_add_buffer(
         def: *mut rp_layer_def,
         name: *const c_char,
