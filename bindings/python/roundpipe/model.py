@@ -11,7 +11,7 @@ import json
 import os
 from collections import OrderedDict
 from ctypes import c_int64
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -533,7 +533,8 @@ class RoundPipe:
             raise exc
         raise failure
 
-    def step(self, step_fn, is_async=True, *args, **kwargs):
+    def step(self, step_fn: Union[Callable[..., Any], BuiltinOptimizer], is_async: bool = True,
+             *args: Any, **kwargs: Any) -> None:
         """One optimizer step over the gradients accumulated since the previous one.
 
         `step_fn` is either a built-in optimizer's settings (roundpipe.optim.AdamW / SGD: the
