@@ -364,29 +364,29 @@ impl Model {
         inputs: &[&dyn AsDlpack],
         config: Option<&RunConfig>,
     ) -> Result<Vec<DlTensor>> {
-        let managed = borrowed_managed(inputs);
-        let ptrs: Vec<*const sys::DLManagedTensor> =
-            managed.iter().map(|m| m as *const _).collect();
-        let mut list = ptr::null_mut();
-        self.clear_layer_errors();
-        // SAFETY: the inputs are borrowed for the call and outlive it.
-        check(unsafe {
-            sys::rp_forward(
-                &mut list,
-                self.ptr.as_ptr(),
-                ptrs.as_ptr(),
-                ptrs.len(),
-                config.map_or(ptr::null(), |c| c.as_ptr()),
-            )
-        })
-        .map_err(|e| self.with_layer_details(e))?;
-        take_list(list)
+        self.call_forward(sys::rp_forward, inputs, config)
     }
 
     /// Upstream's non-fused training, first half: a forward in training mode whose outputs
     /// `backward` can back-propagate later (`rp_forward_train`). Outputs as for `forward`.
     pub fn forward_train(
         &mut self,
+        inputs: &[&dyn AsDlpack],
+        config: Option<&RunConfig>,
+    ) -> Result<Vec<DlTensor>> {
+        self.call_forward(sys::rp_forward_train, inputs, config)
+    }
+
+    /// `rp_forward` or `rp_forward_train` (same signature) on borrowed inputs.
+    fn call_forward(
+        &mut self,
+        entry: unsafe extern "C" fn(
+            *mut *mut sys::rp_tensor_list,
+            *mut sys::rp_model,
+            *const *const sys::DLManagedTensor,
+            usize,
+            *const sys::rp_run_config,
+        ) -> sys::rp_status,
         inputs: &[&dyn AsDlpack],
         config: Option<&RunConfig>,
     ) -> Result<Vec<DlTensor>> {
@@ -397,7 +397,7 @@ impl Model {
         self.clear_layer_errors();
         // SAFETY: the inputs are borrowed for the call and outlive it.
         check(unsafe {
-            sys::rp_forward_train(
+            entry(
                 &mut list,
                 self.ptr.as_ptr(),
                 ptrs.as_ptr(),
