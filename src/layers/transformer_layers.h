@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/layer.h"
 
@@ -42,6 +43,11 @@ struct DecoderSpec {
     double init_std = 0.02;
 };
 
+// A parameter drawn from normal(0, std). normal(0, 0) is zeros, and zero-filling is a memset where
+// drawing is a serial generator: models whose weights come from a checkpoint are built with
+// init_std 0 so creation stays fast.
+ParamSpec normal_param(const std::string &name, std::vector<int64_t> shape, double std);
+
 // Rows of `weight` [num, dim] at the token ids (input 0): normal(0, init_std) initialisation.
 std::unique_ptr<Layer> make_token_embedding(int64_t num, int64_t dim, double init_std);
 
@@ -49,7 +55,7 @@ std::unique_ptr<Layer> make_token_embedding(int64_t num, int64_t dim, double ini
 // position ids [batch, seq] or [1, seq]; both optional.
 std::unique_ptr<Layer> make_decoder_layer(const DecoderSpec &spec);
 
-// Projection to the vocabulary. With integer labels in its context (training, fused tail stage)
+// Projection to the vocabulary (src/layers/lm_head.cpp). With integer labels in its context (training, fused tail stage)
 // it returns the sum of the shifted token cross entropies of the microbatch as a 0-d fp32
 // tensor, computed `chunk_tokens` tokens at a time (0: automatic) so the logits of the whole
 // microbatch never exist; otherwise it returns the logits. `tied_to` names an earlier layer's
