@@ -10,7 +10,8 @@ namespace {
 using namespace cuda;
 
 // Threads per row and vectors per thread: the smallest per-thread register load that keeps the
-// block at most 512 threads (1024 for the longest rows).
+// block at most 512 threads (1024 for the longest rows, whose kernels are therefore limited to
+// 64 registers a thread: see the __launch_bounds__).
 struct RowPlan {
     int vpt = 0;
     int threads = 0;
@@ -28,7 +29,7 @@ bool plan_row(int64_t nvec, RowPlan &plan) {
 }
 
 template <typename T, int N, int VPT, bool ADD>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(VPT == 8 ? 1024 : 512)
     rms_norm_forward_kernel(const T *__restrict__ x, const T *__restrict__ residual,
                             const T *__restrict__ weight, T *__restrict__ sum, T *__restrict__ y,
                             float *__restrict__ rstd_out, int64_t rows, int dim, float eps) {
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(1024)
 }
 
 template <typename T, int N, int VPT>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(VPT == 8 ? 1024 : 512)
     rms_norm_backward_kernel(const T *__restrict__ dy, const T *__restrict__ dsum,
                              const T *__restrict__ x, const T *__restrict__ weight,
                              const float *__restrict__ rstd_in, T *__restrict__ dx,
