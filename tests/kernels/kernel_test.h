@@ -78,7 +78,13 @@ class Checker {
         }
         const double scale = w.numel() ? w.abs().max().item<double>() : 0.0;
         at::Tensor err = (g - w).abs();
-        at::Tensor excess = err - (tol.rtol * w.abs() + tol.atol * scale);
+        at::Tensor bound = tol.rtol * w.abs() + tol.atol * scale;
+        at::Tensor excess = err - bound;
+        if (std::getenv("RP_TEST_VERBOSE") && err.numel() > 0)
+            // How much of its tolerance a check uses: the margin a tolerance change would eat.
+            std::printf("  %-70s max|err| %.3g, worst err/bound %.3f\n", what.c_str(),
+                        err.max().item<double>(),
+                        (err / bound.clamp_min(1e-300)).max().item<double>());
         if (excess.numel() == 0 || excess.max().item<double>() <= 0.0)
             return;
         const int64_t at_index = excess.flatten().argmax().item<int64_t>();

@@ -39,13 +39,15 @@ at::Tensor hf_rope(const at::Tensor &x, const at::Tensor &cos_half, const at::Te
 // bf16/fp16: Hugging Face rounds q*cos and rotate_half(q)*sin before adding them (and autograd
 // rounds dy*cos and dy*sin likewise) where the kernel rounds once; the two roundings of the
 // terms add up to about an ulp of the larger term, which cancellation can make large next to
-// the result: rtol 2 eps plus 2 eps (forward) or 4 eps (backward, whose norm part cancels
-// again) of the tensor's largest value. The norm's forward keeps Hugging Face's rounding points.
+// the result: rtol 2 eps plus 4 eps of the tensor's largest value. The norm keeps Hugging
+// Face's rounding points, but an fp32 rstd one bit off flips the rounding of a normalised
+// element now and then, moving z by an ulp (up to 1.4 eps of max|y|) before the rotation; the
+// backward's norm part cancels again.
 kt::Tol forward_tol(at::ScalarType t) {
     if (t == at::kFloat)
         return {1e-5, 1e-6};
     const double eps = t == at::kBFloat16 ? 0x1p-7 : 0x1p-10;
-    return {2 * eps, 2 * eps};
+    return {2 * eps, 4 * eps};
 }
 kt::Tol backward_tol(at::ScalarType t) {
     if (t == at::kFloat)
