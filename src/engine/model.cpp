@@ -111,9 +111,9 @@ void Model::grant_workspaces() {
     // accumulator, the rest ~1,800 tokens of bf16 logits.)
     const double limit = stage_memory_limit();
     for (size_t l = 0; l < layers_.size(); ++l) {
-        const double grant = limit > 0
-                                 ? std::max(0.0, std::min(limit / 2.0, limit - layer_param_bytes(l)))
-                                 : std::numeric_limits<double>::infinity();
+        double grant = std::numeric_limits<double>::infinity();
+        if (limit > 0)
+            grant = std::max(0.0, std::min(limit / 2.0, limit - layer_param_bytes(l)));
         layers_[l]->grant_workspace(grant, store_.model_dtype());
     }
 }

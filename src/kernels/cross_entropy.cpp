@@ -24,8 +24,8 @@ namespace kernels {
 namespace {
 
 template <typename T>
-void cross_entropy_cpu(T *logits, const int64_t *targets, float *loss, int64_t rows,
-                       int64_t vocab, int64_t row_stride, int64_t ignore_index, bool write_grad) {
+void cross_entropy_cpu(T *logits, const int64_t *targets, float *loss, int64_t rows, int64_t vocab,
+                       int64_t row_stride, int64_t ignore_index, bool write_grad) {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     // Rows are independent; a grain of a few rows keeps small vocabularies from paying more for
     // the threads than for the work.
@@ -86,9 +86,8 @@ at::Tensor cross_entropy_(at::Tensor &logits, const at::Tensor &targets, int64_t
     const at::ScalarType dtype = logits.scalar_type();
     TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                       "cross_entropy: logits must be fp32, bf16 or fp16, got ", dtype);
-    TORCH_CHECK_VALUE(logits.device() == targets.device(),
-                      "cross_entropy: logits on ", logits.device(), " but targets on ",
-                      targets.device());
+    TORCH_CHECK_VALUE(logits.device() == targets.device(), "cross_entropy: logits on ",
+                      logits.device(), " but targets on ", targets.device());
     const int64_t rows = logits.size(0), vocab = logits.size(1);
     TORCH_CHECK_VALUE(vocab >= 1, "cross_entropy: the vocabulary is empty");
     // Unit stride along the vocabulary for the vector loads, and rows that do not overlap,
@@ -110,12 +109,12 @@ at::Tensor cross_entropy_(at::Tensor &logits, const at::Tensor &targets, int64_t
         const CrossEntropyDtype kind = dtype == at::kFloat      ? CrossEntropyDtype::Float32
                                        : dtype == at::kBFloat16 ? CrossEntropyDtype::BFloat16
                                                                 : CrossEntropyDtype::Float16;
-        const cudaError_t err = cross_entropy_cuda(
-            logits.data_ptr(), t.data_ptr<int64_t>(), loss.data_ptr<float>(), rows, vocab,
-            row_stride, kind, ignore_index, write_grad,
-            at::cuda::getCurrentCUDAStream(logits.device().index()).stream());
-        TORCH_CHECK(err == cudaSuccess, "cross_entropy: CUDA kernel launch failed: ",
-                    cudaGetErrorString(err));
+        const cudaError_t err =
+            cross_entropy_cuda(logits.data_ptr(), t.data_ptr<int64_t>(), loss.data_ptr<float>(),
+                               rows, vocab, row_stride, kind, ignore_index, write_grad,
+                               at::cuda::getCurrentCUDAStream(logits.device().index()).stream());
+        TORCH_CHECK(err == cudaSuccess,
+                    "cross_entropy: CUDA kernel launch failed: ", cudaGetErrorString(err));
         return loss;
 #else
         TORCH_CHECK(false, "cross_entropy: this build of the kernels has no CUDA support");
@@ -124,8 +123,8 @@ at::Tensor cross_entropy_(at::Tensor &logits, const at::Tensor &targets, int64_t
     TORCH_CHECK_VALUE(logits.is_cpu(), "cross_entropy: unsupported device ", logits.device());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "cross_entropy_cpu", [&] {
         cross_entropy_cpu<scalar_t>(logits.data_ptr<scalar_t>(), t.data_ptr<int64_t>(),
-                                    loss.data_ptr<float>(), rows, vocab, row_stride,
-                                    ignore_index, write_grad);
+                                    loss.data_ptr<float>(), rows, vocab, row_stride, ignore_index,
+                                    write_grad);
     });
     return loss;
 }

@@ -204,12 +204,10 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 cudaError_t launch(void *logits, const int64_t *targets, float *loss, int64_t rows, int64_t vocab,
-                   int64_t row_stride, int64_t ignore_index, bool write_grad,
-                   cudaStream_t stream) {
+                   int64_t row_stride, int64_t ignore_index, bool write_grad, cudaStream_t stream) {
     const unsigned grid = static_cast<unsigned>(rows < INT_MAX ? rows : INT_MAX);
-    cross_entropy_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<T *>(logits), targets,
-                                                           loss, rows, vocab, row_stride,
-                                                           ignore_index, write_grad);
+    cross_entropy_kernel<T><<<grid, kThreads, 0, stream>>>(
+        static_cast<T *>(logits), targets, loss, rows, vocab, row_stride, ignore_index, write_grad);
     return cudaGetLastError();
 }
 
@@ -225,8 +223,8 @@ cudaError_t cross_entropy_cuda(void *logits, const int64_t *targets, float *loss
         return launch<float>(logits, targets, loss, rows, vocab, row_stride, ignore_index,
                              write_grad, stream);
     case CrossEntropyDtype::BFloat16:
-        return launch<__nv_bfloat16>(logits, targets, loss, rows, vocab, row_stride,
-                                     ignore_index, write_grad, stream);
+        return launch<__nv_bfloat16>(logits, targets, loss, rows, vocab, row_stride, ignore_index,
+                                     write_grad, stream);
     case CrossEntropyDtype::Float16:
         return launch<__half>(logits, targets, loss, rows, vocab, row_stride, ignore_index,
                               write_grad, stream);

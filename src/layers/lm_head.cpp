@@ -151,14 +151,11 @@ class LmHead final : public Layer {
     int64_t chunk_for(at::ScalarType dtype) const {
         if (chunk_tokens_ > 0)
             return chunk_tokens_;
-        const double room = std::isfinite(granted_bytes_)
-                                ? granted_bytes_ - accumulator_bytes()
-                                : kUncappedChunkBytes;
+        const double room = std::isfinite(granted_bytes_) ? granted_bytes_ - accumulator_bytes()
+                                                          : kUncappedChunkBytes;
         const double fit = std::floor(room / token_bytes(dtype));
-        int64_t chunk = fit < 1.0 ? 1
-                        : fit >= static_cast<double>(kMaxChunkTokens)
-                            ? kMaxChunkTokens
-                            : static_cast<int64_t>(fit);
+        int64_t chunk =
+            fit < 1.0 ? 1 : static_cast<int64_t>(std::min(fit, double(kMaxChunkTokens)));
         if (chunk > kChunkGranule)
             chunk -= chunk % kChunkGranule;
         return chunk;

@@ -171,7 +171,7 @@ static void out_of_memory_names_the_stage_and_the_model_stays_usable(void **stat
  * hold 128 MiB of logits, 640 tokens. */
 static void lm_head_loss_chunks_follow_a_small_cap(void **state) {
     (void)state;
-    enum { VOCAB = 50021, LM_DIM = 128, SEQS = 2, SEQ = 4096, LM_STEPS = 3 };
+    enum { VOCAB = 50021, SEQS = 2, SEQ = 4096, LM_STEPS = 3 };
     static const char *SPEC = "{\"layers\":[{\"type\":\"token_embedding\",\"num\":50021,"
                               "\"dim\":128},{\"type\":\"lm_head\",\"dim\":128,"
                               "\"vocab\":50021,\"tied_to\":\"0.weight\"}]}";

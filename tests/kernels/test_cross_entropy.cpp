@@ -71,8 +71,8 @@ struct Reference {
 
 Reference reference(const at::Tensor &logits, const at::Tensor &targets) {
     at::Tensor x = logits.to(at::kCPU, at::kFloat).detach().requires_grad_(true);
-    at::Tensor loss = at::cross_entropy_loss(x, targets.to(at::kCPU), {}, at::Reduction::None,
-                                             kIgnore);
+    at::Tensor loss =
+        at::cross_entropy_loss(x, targets.to(at::kCPU), {}, at::Reduction::None, kIgnore);
     loss.sum().backward();
     return {loss.detach(), x.grad()};
 }
@@ -127,7 +127,8 @@ void check_case(int64_t n, int64_t vocab, at::ScalarType dtype, at::Device devic
     // Loss only: the logits stay as they were.
     at::Tensor before = logits.clone();
     at::Tensor loss_only = rp::kernels::cross_entropy_(logits, targets, kIgnore, false);
-    check(at::equal(logits.cpu(), before.cpu()), name(dtype, n, vocab, what + " loss only kept the logits"));
+    check(at::equal(logits.cpu(), before.cpu()),
+          name(dtype, n, vocab, what + " loss only kept the logits"));
     const Tolerance loss_tol{2e-6, 2e-6};
     check(worst_ratio(loss_only, ref.loss, loss_tol) <= 1.0,
           name(dtype, n, vocab, what + " loss (no gradient) matches at::cross_entropy"));
@@ -135,19 +136,21 @@ void check_case(int64_t n, int64_t vocab, at::ScalarType dtype, at::Device devic
     at::Tensor loss = rp::kernels::cross_entropy_(logits, targets, kIgnore, true);
     const double lr = worst_ratio(loss, ref.loss, loss_tol);
     const double gr = worst_ratio(logits, ref.grad, grad_tolerance(dtype));
-    check(lr <= 1.0, name(dtype, n, vocab, what + " loss matches at::cross_entropy, ratio " +
-                                               std::to_string(lr)));
-    check(gr <= 1.0, name(dtype, n, vocab, what + " gradient matches autograd, ratio " +
-                                               std::to_string(gr)));
+    check(lr <= 1.0, name(dtype, n, vocab,
+                          what + " loss matches at::cross_entropy, ratio " + std::to_string(lr)));
+    check(gr <= 1.0,
+          name(dtype, n, vocab, what + " gradient matches autograd, ratio " + std::to_string(gr)));
     check(logits.scalar_type() == dtype, "gradient kept the logits' dtype");
     // Rounded once: for low precision the result equals the rounded fp32 reference almost
     // everywhere (a rounding may only flip where the fp32 values differ in their last bits).
     if (dtype != at::kFloat) {
         at::Tensor rounded = ref.grad.to(dtype);
         const double differ = logits.cpu().ne(rounded).to(at::kDouble).mean().item<double>();
-        check(differ <= 1e-3, name(dtype, n, vocab, what + " gradient equals the once-rounded "
-                                                            "reference except at rare ties, " +
-                                                            std::to_string(differ) + " differ"));
+        check(differ <= 1e-3, name(dtype, n, vocab,
+                                   what +
+                                       " gradient equals the once-rounded "
+                                       "reference except at rare ties, " +
+                                       std::to_string(differ) + " differ"));
     }
     std::printf("ok %s: loss ratio %.3f, gradient ratio %.3f\n",
                 name(dtype, n, vocab, what).c_str(), lr, gr);
@@ -203,11 +206,12 @@ void check_rejects(at::Device device) {
               rp::kernels::cross_entropy_(y, t, kIgnore, true);
           }),
           "rejects logits without unit stride along the vocabulary");
-    check(throws([&] {
-              at::Tensor y = at::randn({4, 8}, at::TensorOptions().dtype(at::kDouble).device(device));
-              rp::kernels::cross_entropy_(y, t, kIgnore, true);
-          }),
-          "rejects fp64 logits");
+    check(
+        throws([&] {
+            at::Tensor y = at::randn({4, 8}, at::TensorOptions().dtype(at::kDouble).device(device));
+            rp::kernels::cross_entropy_(y, t, kIgnore, true);
+        }),
+        "rejects fp64 logits");
     check(throws([&] {
               at::Tensor y = at::randn({4, 8}, at::TensorOptions().device(device));
               at::Tensor t32 = t.to(at::kInt);
