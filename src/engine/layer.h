@@ -109,7 +109,16 @@ class Layer {
 
     // Device memory a training pass needs beyond weights, gradients and activations (e.g. the
     // fp32 gradient accumulator of a chunked loss), in bytes; counted in the stage's budget.
+    // A layer that can trade memory for speed reports what it chose within its grant.
     virtual double workspace_bytes() const { return 0.0; }
+    // The model's grant, made once when the model is created (before any call, never during
+    // one): the device memory this layer's workspace may use, in bytes (infinity where devices
+    // have no cap, e.g. CPU devices), and the dtype the layer will compute in. A layer whose
+    // workspace can shrink (the loss chunk of the LM head) sizes it to fit.
+    virtual void grant_workspace(double bytes, at::ScalarType compute_dtype) {
+        (void)bytes;
+        (void)compute_dtype;
+    }
 
     // Integer values of its input that this layer uses as row indices must lie in
     // [0, input_index_limit()); 0: the layer indexes nothing. Asked of a model's first layer, so

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "base/error.h"
@@ -69,6 +70,7 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
                 limit_gpu_memory(pipeline_.device(d).index(), gpu_memory_cap_);
         }
     }
+    grant_workspaces();
     std::vector<double> cost;
     for (const auto &l : layers_)
         cost.push_back(l->cost_estimate());
@@ -87,26 +89,50 @@ Model::~Model() {
     }
 }
 
+// A GPU holds two stages' weights (one computing, one arriving) and one stage's gradients and
+// needs room for activations: a stage may use a third of the cap, which keeps it well within
+// the half that two resident stages allow. 0: no limit (CPU devices).
+double Model::stage_memory_limit() const {
+    return has_cuda_devices() ? gpu_memory_cap_ / 3.0 : 0.0;
+}
+
+// A layer's weights and their gradients in the model dtype.
+double Model::layer_param_bytes(size_t layer) const {
+    double bytes = 0.0;
+    for (size_t pi : store_.layer_params(layer))
+        bytes += 2.0 * static_cast<double>(store_.at(pi).live.nbytes());
+    return bytes;
+}
+
+void Model::grant_workspaces() {
+    // A layer's workspace may take half of what a stage may use, less the layer's own weights
+    // and gradients: the layer then fits a stage, and the stage keeps room for other layers.
+    // (The LM head of Qwen3-1.7B under a 10 GiB cap: 1.67 GiB, 1.16 of them its fp32 gradient
+    // accumulator, the rest ~1,800 tokens of bf16 logits.)
+    const double limit = stage_memory_limit();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        double grant = std::numeric_limits<double>::infinity();
+        if (limit > 0)
+            grant = std::max(0.0, std::min(limit / 2.0, limit - layer_param_bytes(l)));
+        layers_[l]->grant_workspace(grant, store_.model_dtype());
+    }
+}
+
 std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) const {
     if (!explicit_plan_.empty())
         return plan_explicit(explicit_plan_, layers_.size());
-    // A stage's device footprint: its weights and their gradients in the model dtype, plus the
-    // layers' own workspaces. A GPU holds two stages' weights (one computing, one arriving) and one
-    // stage's gradients and needs room for activations: a stage may use a third of the cap, which
-    // keeps it well within the half that two resident stages allow.
+    // A stage's device footprint: its weights and their gradients, plus the layers' own
+    // workspaces (within their grants, see grant_workspaces).
     std::vector<double> bytes(layers_.size(), 0.0);
-    for (size_t l = 0; l < layers_.size(); ++l) {
-        for (size_t pi : store_.layer_params(l))
-            bytes[l] += 2.0 * static_cast<double>(store_.at(pi).live.nbytes());
-        bytes[l] += layers_[l]->workspace_bytes();
-    }
+    for (size_t l = 0; l < layers_.size(); ++l)
+        bytes[l] = layer_param_bytes(l) + layers_[l]->workspace_bytes();
     // Two stages per device keeps every device busy with the fused schedule while each stage
     // stays large enough to amortise its hand-offs. Memory-saving mode wants at least eight: a
     // stage goes up only once the step has updated all of it, so the smaller the first stages
     // the sooner the next call's forward can follow the optimizer through the model.
     const size_t min_stages = store_.saving() ? 8 : 2;
     return plan_balanced(layer_costs, bytes, std::max<size_t>(min_stages, 2 * num_devices()),
-                         has_cuda_devices() ? gpu_memory_cap_ / 3.0 : 0.0);
+                         stage_memory_limit());
 }
 
 void Model::replan_from_trace() {

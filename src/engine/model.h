@@ -145,6 +145,9 @@ class Model {
     void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                            const Loss *loss);
     std::vector<Stage> plan_stages(const std::vector<double> &layer_costs) const;
+    double stage_memory_limit() const;
+    double layer_param_bytes(size_t layer) const;
+    void grant_workspaces();
     void replan_from_trace();
     void rethrow_step_error();
 

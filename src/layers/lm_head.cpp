@@ -1,22 +1,37 @@
 // The LM head of a causal LM: the projection to the vocabulary, fused with the shifted token
 // cross entropy when the tail stage of a training call gives it labels.
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "kernels/cross_entropy.h"
 #include "layers/transformer_layers.h"
 
 namespace rp {
 namespace {
 
-// Chunks of the fused loss hold at most this many logits (128 MiB in fp32): small next to the
-// weights of any model worth pipelining, large enough that each chunk's matmul is efficient.
-constexpr int64_t kChunkLogits = int64_t{1} << 25;
+// Tokens per loss chunk, at most: M = 4096 already saturates the GEMMs (4096 x 151,936 x 2048
+// is 2.5 TFLOP), and a longer chunk only raises the peak (4096 bf16 rows of Qwen3's vocabulary
+// are 1.2 GiB).
+constexpr int64_t kMaxChunkTokens = 4096;
+// Chunks are cut at multiples of this (the GEMMs' tile height) when they hold more.
+constexpr int64_t kChunkGranule = 128;
+// Where devices have no memory cap (CPU devices): logits of a chunk, at most 128 MiB.
+constexpr double kUncappedChunkBytes = double(int64_t{1} << 27);
 
 // Sum over tokens with a target of cross_entropy(h W^T, target), `chunk` tokens at a time.
 // The fused tail stage always back-propagates right after the forward, so the gradients are
 // computed in the same pass over the chunks (the logits of a chunk are made once) and scaled by
 // the incoming gradient in backward.
+//
+// Per chunk: the GEMM writes the logits in the model dtype; kernels::cross_entropy_ reads them
+// once for the fp32 logsumexp and the losses and overwrites them with the gradient
+// (softmax - one_hot), computed in fp32 and rounded once to the model dtype, which is what
+// transformers' loss (cross entropy of the fp32 upcast) gives before its backward multiplies in
+// the incoming gradient; here that scalar multiplies grad_h and grad_w afterwards. The two
+// backward GEMMs then read that gradient in place.
 class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss> {
   public:
     static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &h,
@@ -24,34 +39,24 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
                               bool want_grad) {
         const int64_t n = h.size(0);
         const bool low_precision = h.scalar_type() != at::kFloat;
-        at::Tensor total = at::zeros({}, h.options().dtype(at::kFloat));
+        at::Tensor losses = at::empty({n}, h.options().dtype(at::kFloat));
         at::Tensor grad_h, grad_w;
         if (want_grad) {
-            grad_h = at::empty_like(h);
+            grad_h = at::empty({n, h.size(1)}, h.options());
             // Low-precision weights: accumulate the chunks' contributions in fp32.
             grad_w = at::zeros(w.sizes(), w.options().dtype(at::kFloat));
         }
         for (int64_t start = 0; start < n; start += chunk) {
             const int64_t len = std::min(chunk, n - start);
             at::Tensor hc = h.narrow(0, start, len);
-            at::Tensor tc = targets.narrow(0, start, len);
-            // Logits in the compute dtype, then fp32, as transformers' loss upcasts them.
-            at::Tensor logits = at::linear(hc, w).to(at::kFloat);
-            at::Tensor valid = tc.ne(kIgnoreIndex);
-            at::Tensor index = at::where(valid, tc, at::zeros_like(tc)).unsqueeze(1);
-            at::Tensor validf = valid.to(at::kFloat);
-            at::Tensor lse = at::logsumexp(logits, {1});
-            at::Tensor picked = logits.gather(1, index).squeeze(1);
-            total.add_(((lse - picked) * validf).sum());
+            at::Tensor g = at::mm(hc, w.t()); // logits, then their gradient in place
+            losses.narrow(0, start, len)
+                .copy_(kernels::cross_entropy_(g, targets.narrow(0, start, len), kIgnoreIndex,
+                                               want_grad));
             if (!want_grad)
                 continue;
-            // d(loss)/d(logits) = softmax - one_hot(target), zero for tokens without a target.
-            logits.sub_(lse.unsqueeze(1)).exp_();
-            logits.scatter_add_(1, index, at::full({len, 1}, -1.0, logits.options()));
-            logits.mul_(validf.unsqueeze(1));
-            at::Tensor g = logits.to(h.scalar_type());
-            logits = at::Tensor();
-            grad_h.narrow(0, start, len).copy_(at::mm(g, w));
+            at::Tensor grad_hc = grad_h.narrow(0, start, len);
+            at::mm_out(grad_hc, g, w);
             if (!low_precision)
                 grad_w.addmm_(g.t(), hc);
             else if (grad_w.is_cuda())
@@ -64,7 +69,7 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
         ctx->saved_data["grad_h"] = grad_h;
         ctx->saved_data["grad_w"] = grad_w;
         ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
-        return total;
+        return losses.sum();
     }
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
@@ -93,11 +98,15 @@ class LmHead final : public Layer {
     }
     std::string type() const override { return "lm_head"; }
     int64_t label_index_limit() const override { return vocab(); }
-    // The fused loss keeps an fp32 [vocab, dim] gradient accumulator and, per chunk, fp32
-    // logits, their gradient and a low-precision copy.
+    void grant_workspace(double bytes, at::ScalarType compute_dtype) override {
+        granted_bytes_ = bytes;
+        compute_dtype_ = compute_dtype;
+    }
+    // The fp32 [vocab, dim] gradient accumulator and one chunk of logits (overwritten by their
+    // gradient) with its fp32 losses.
     double workspace_bytes() const override {
-        return 4.0 * static_cast<double>(vocab_) * static_cast<double>(dim_) +
-               3.0 * 4.0 * static_cast<double>(kChunkLogits);
+        return accumulator_bytes() +
+               static_cast<double>(chunk_for(compute_dtype_)) * token_bytes(compute_dtype_);
     }
     int64_t vocab() const { return vocab_; }
 
@@ -122,17 +131,42 @@ class LmHead final : public Layer {
                     1)
                 .reshape({-1});
         at::Tensor h = x.reshape({-1, dim_});
-        const int64_t chunk =
-            chunk_tokens_ > 0 ? chunk_tokens_ : std::max<int64_t>(1, kChunkLogits / vocab_);
         const bool want_grad =
             at::GradMode::is_enabled() && (h.requires_grad() || w.requires_grad());
-        return ChunkedCausalLmLoss::apply(h, w, targets, chunk, want_grad);
+        return ChunkedCausalLmLoss::apply(h, w, targets, chunk_for(h.scalar_type()), want_grad);
     }
 
   private:
+    double accumulator_bytes() const {
+        return 4.0 * static_cast<double>(vocab_) * static_cast<double>(dim_);
+    }
+    // A chunk's logits in the compute dtype and its fp32 losses, per token.
+    double token_bytes(at::ScalarType dtype) const {
+        return static_cast<double>(vocab_) * static_cast<double>(c10::elementSize(dtype)) + 4.0;
+    }
+    // Tokens per loss chunk: the spec's `chunk_tokens` when given; else as many as the grant
+    // leaves room for beside the gradient accumulator, within [1, kMaxChunkTokens], cut to the
+    // GEMMs' granule. A grant too small even for the accumulator gives one-token chunks: the
+    // planner then finds the layer too large for a stage and says so.
+    int64_t chunk_for(at::ScalarType dtype) const {
+        if (chunk_tokens_ > 0)
+            return chunk_tokens_;
+        const double room = std::isfinite(granted_bytes_) ? granted_bytes_ - accumulator_bytes()
+                                                          : kUncappedChunkBytes;
+        const double fit = std::floor(room / token_bytes(dtype));
+        int64_t chunk =
+            fit < 1.0 ? 1 : static_cast<int64_t>(std::min(fit, double(kMaxChunkTokens)));
+        if (chunk > kChunkGranule)
+            chunk -= chunk % kChunkGranule;
+        return chunk;
+    }
+
     int64_t dim_;
     int64_t vocab_;
     int64_t chunk_tokens_;
+    // Set once by the model before any call (grant_workspace); uncapped until then.
+    double granted_bytes_ = std::numeric_limits<double>::infinity();
+    at::ScalarType compute_dtype_ = at::kFloat;
 };
 
 } // namespace

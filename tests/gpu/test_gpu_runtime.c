@@ -2,7 +2,7 @@
  * test_gpu_runtime.c - the GPU streaming runtime on a real GPU: a model four times larger than
  * the GPU memory cap trains while the allocator's measured peak stays under the cap; an
  * out-of-memory stage is reported with advice and leaves the model usable; the timing record
- * holds every stream. Skips (exit 77) without a visible GPU.
+ * holds every stream; the LM head's loss chunks follow a small cap. Skips (exit 77) without a visible GPU.
  *
  * RP_TRACE_OUT=<file>: also writes the large model's last timing record there (Chrome trace).
  */
@@ -162,6 +162,75 @@ static void out_of_memory_names_the_stage_and_the_model_stays_usable(void **stat
     rp_model_destroy(m);
 }
 
+/* The fused LM-head loss sizes its chunks from the memory cap: 8192 tokens over a vocabulary of
+ * 50,021 (odd: rows of logits start off 16-byte boundaries) have 1.6 GB of fp32 logits, and
+ * the longest chunk (4096 tokens, 820 MB) alone exceeds a 384 MiB cap. Under that cap the head
+ * gets a 67 MB workspace (half a stage's third of the cap), 26 MB of it the fp32 gradient
+ * accumulator, so its chunks are 128 tokens (26 MB of logits); the calls train within the cap
+ * (which the allocator enforces) and give the losses of a CPU run, whose chunks (no cap there)
+ * hold 128 MiB of logits, 640 tokens. */
+static void lm_head_loss_chunks_follow_a_small_cap(void **state) {
+    (void)state;
+    enum { VOCAB = 50021, SEQS = 2, SEQ = 4096, LM_STEPS = 3 };
+    static const char *SPEC = "{\"layers\":[{\"type\":\"token_embedding\",\"num\":50021,"
+                              "\"dim\":128},{\"type\":\"lm_head\",\"dim\":128,"
+                              "\"vocab\":50021,\"tied_to\":\"0.weight\"}]}";
+    const int64_t cap = 384LL << 20;
+    int64_t shape[2] = {SEQS, SEQ};
+    int64_t *ids = malloc(sizeof(int64_t) * SEQS * SEQ);
+    uint64_t x = 88172645463325252ULL;
+    for (int64_t i = 0; i < SEQS * SEQ; ++i) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        ids[i] = (int64_t)(x % VOCAB);
+    }
+    DLManagedTensor *in = ts_i64(2, shape, ids), *lab = ts_i64(2, shape, ids);
+    const DLManagedTensor *inputs[1] = {in};
+    rp_loss *lm = NULL;
+    TS_OK(rp_loss_create(&lm, RP_LOSS_CAUSAL_LM));
+    rp_run_config *one = NULL;
+    TS_OK(rp_run_config_create(&one));
+    TS_OK(rp_run_config_set_num_microbatch(one, 1));
+    double losses[2][LM_STEPS];
+    int64_t peak = 0;
+    for (int run = 0; run < 2; ++run) {
+        rp_model *m = run == 0 ? gpu_model(SPEC, cap) : make_model(SPEC, RP_DEVICE_CPU, 0);
+        rp_optimizer *opt = NULL;
+        TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_SGD));
+        /* Embeddings of std 0.02 get tiny gradients from a mean over 8192 tokens: this rate
+         * moves the loss by a few percent per step (10.82, 10.76, 10.53 in PyTorch), so the
+         * later steps compare the gradients of both runs. */
+        TS_OK(rp_optimizer_set_learning_rate(opt, 5000.0));
+        if (run == 0)
+            TS_OK(rp_cuda_reset_peak_memory(0));
+        for (int step = 0; step < LM_STEPS; ++step) {
+            TS_OK(rp_forward_backward(&losses[run][step], NULL, m, inputs, 1, lab, lm, one));
+            TS_OK(rp_step(m, opt, 0));
+        }
+        TS_OK(rp_synchronize(m));
+        if (run == 0) {
+            int64_t now = 0;
+            TS_OK(rp_cuda_memory_stats(&now, &peak, 0));
+        }
+        rp_optimizer_destroy(opt);
+        rp_model_destroy(m);
+    }
+    printf("lm head: cap %.0f MiB, full logits %.0f MiB, peak allocated %.1f MiB\n",
+           cap / 1048576.0, (double)SEQS * SEQ * VOCAB * 4 / 1048576.0, peak / 1048576.0);
+    for (int i = 0; i < LM_STEPS; ++i)
+        printf("step %d loss gpu %.6f cpu %.6f\n", i, losses[0][i], losses[1][i]);
+    assert_true(peak > 0 && peak < cap);
+    /* fp32 on both (TF32 off): only the order of the sums over 8192 tokens, 50,021 logits and
+     * 128 dimensions differs. */
+    for (int i = 0; i < LM_STEPS; ++i)
+        assert_true(fabs(losses[0][i] - losses[1][i]) <= 1e-4 * fabs(losses[1][i]));
+    assert_true(losses[0][LM_STEPS - 1] < losses[0][0]);
+    rp_run_config_destroy(one);
+    rp_loss_destroy(lm);
+    ts_free(in);
+    ts_free(lab);
+    free(ids);
+}
+
 int main(void) {
     int32_t gpus = 0;
     if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
@@ -171,6 +240,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(model_four_times_the_cap_trains_under_the_cap),
         cmocka_unit_test(out_of_memory_names_the_stage_and_the_model_stays_usable),
+        cmocka_unit_test(lm_head_loss_chunks_follow_a_small_cap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
