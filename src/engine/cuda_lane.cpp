@@ -71,6 +71,9 @@ class CudaLane final : public DeviceLane {
             }
             d.record_stream(compute_);
             t.tensors.push_back(d);
+            auto landed = std::make_shared<Event>(cudaEventDisableTiming);
+            landed->record(weights_);
+            t.landed.push_back(std::move(landed));
         }
         auto end = record(weights_);
         t.ready = end;

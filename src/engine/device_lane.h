@@ -15,6 +15,10 @@ namespace rp {
 struct Transfer {
     std::vector<at::Tensor> tensors;
     std::shared_ptr<void> ready;
+    // Weight uploads: one marker per tensor (tensor i and every one before it have landed), so
+    // compute can start on the first layers of a stage while the rest is still on its way.
+    // Empty: only `ready`.
+    std::vector<std::shared_ptr<void>> landed;
 };
 
 // One interval of the timing record, in milliseconds since the lane's call start.

@@ -17,12 +17,27 @@ struct StageWeights {
     std::vector<std::vector<at::Tensor>> per_layer;
     std::vector<std::pair<size_t, at::Tensor>> leaves; // (param index, tensor)
     std::vector<std::pair<size_t, at::Tensor>> buffers; // (param index, device tensor)
+
+    // The first job of a call finds its weights still on their way: rather than wait for the
+    // whole stage, compute waits for each layer's weights just before that layer first runs
+    // (uploads land in layer order). Empty markers: the whole stage was waited for up front.
+    DeviceLane *lane = nullptr;
+    std::vector<std::shared_ptr<void>> layer_landed; // per layer: its last tensor's marker
+    mutable size_t waited_layers = 0;                // layers [0, waited_layers) waited for
+
+    void before_layer(size_t local) const {
+        if (local < waited_layers || local >= layer_landed.size())
+            return;
+        lane->use(Transfer{{}, layer_landed[local], {}});
+        waited_layers = local + 1;
+    }
 };
 
 StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Transfer &uploaded,
                          bool requires_grad) {
     StageWeights w;
     size_t next = 0;
+    const bool per_layer_wait = uploaded.landed.size() == uploaded.tensors.size();
     for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
         std::vector<at::Tensor> params;
         for (size_t pi : ctx.store.layer_params(l)) {
@@ -43,6 +58,8 @@ StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Trans
             params.push_back(t);
         }
         w.per_layer.push_back(std::move(params));
+        if (per_layer_wait)
+            w.layer_landed.push_back(next > 0 ? uploaded.landed[next - 1] : nullptr);
     }
     return w;
 }
@@ -256,6 +273,7 @@ using Activation = std::vector<at::Tensor>;
 
 Activation run_layer(const CallContext &ctx, const StageWeights &w, const Stage &stage, size_t l,
                      const Activation &x, const MicrobatchExtras &e, Phase phase) {
+    w.before_layer(l - stage.first_layer);
     return ctx.layers[l]->forward_list(w.per_layer[l - stage.first_layer], x,
                                        layer_context(ctx, l, e, phase));
 }
@@ -476,8 +494,10 @@ Transfer upload_stage_weights(const CallContext &ctx, size_t s, DeviceLane &lane
 
 void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceLane &lane,
                    const Transfer &weights) {
-    lane.use(weights);
     StageWeights w = make_leaves(ctx, ctx.stages[s], weights, kind != JobKind::Forward);
+    w.lane = &lane;
+    if (w.layer_landed.empty())
+        lane.use(weights);
     std::optional<FinalGradients> final;
     switch (kind) {
     case JobKind::Forward:

@@ -26,6 +26,16 @@ widen_bf16(const uint16_t *__restrict in, float *__restrict out, int64_t n) {
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
+add_widened_bf16(const uint16_t *__restrict in, float *__restrict out, int64_t n, float factor) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+        float x;
+        std::memcpy(&x, &bits, sizeof bits);
+        out[i] += factor * x;
+    }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
 narrow_bf16_stochastic(const float *__restrict in, uint16_t *__restrict out, int64_t n,
                        uint64_t first_index, uint32_t salt) {
     const uint32_t base = static_cast<uint32_t>(first_index);

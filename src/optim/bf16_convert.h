@@ -17,6 +17,10 @@ constexpr int64_t kBf16Block = 2048;
 
 void widen_bf16(const uint16_t *in, float *out, int64_t n);
 
+// out[i] += factor * in[i], in bf16: a low-precision gradient added into an fp32 one (one thread;
+// the caller splits the range).
+void add_widened_bf16(const uint16_t *in, float *out, int64_t n, float factor);
+
 // Rounds to bf16 stochastically: up with probability equal to the dropped fraction, so the
 // rounding is unbiased. Round-to-nearest would lose updates smaller than half a bf16 ulp for
 // good (AdamW's second moment changes by 0.1% a step, bf16 resolves 0.4%), so the state would
