@@ -89,8 +89,7 @@ inline float *emu_dynamic_shared() { return emu_block->dynamic_shared.data(); }
 template <class Kernel, class... Args>
 void emu_launch(long long grid, long long threads, size_t shared, cudaStream_t, Kernel kernel,
                 Args... args) {
-    if (grid <= 0 || threads <= 0 || threads > 1024 || threads % 32 != 0 ||
-        shared > 48 * 1024) {
+    if (grid <= 0 || threads <= 0 || threads > 1024 || threads % 32 != 0 || shared > 48 * 1024) {
         std::fprintf(stderr, "emulated launch refused: grid %lld, block %lld, shared %zu\n", grid,
                      threads, shared);
         std::abort();

@@ -42,8 +42,8 @@ at::Tensor poisoned(at::IntArrayRef shape, at::ScalarType dtype) {
 void check_rms_norm(kt::Checker &c, at::ScalarType dt, int64_t rows, int64_t dim, bool add,
                     bool misaligned, int blocks) {
     const std::string name = std::string(add ? "add_rms_norm " : "rms_norm ") +
-                             kt::describe(dt, {rows, dim}, misaligned ? " misaligned" : "") +
-                             ", " + std::to_string(blocks) + " backward blocks";
+                             kt::describe(dt, {rows, dim}, misaligned ? " misaligned" : "") + ", " +
+                             std::to_string(blocks) + " backward blocks";
     at::Tensor x = kt::randn({rows, dim}, dt, at::kCPU), r = kt::randn({rows, dim}, dt, at::kCPU);
     at::Tensor w = kt::randn({dim}, dt, at::kCPU, 0.1, 1.0);
     at::Tensor gy = kt::randn({rows, dim}, dt, at::kCPU), gs = kt::randn({rows, dim}, dt, at::kCPU);
@@ -53,10 +53,10 @@ void check_rms_norm(kt::Checker &c, at::ScalarType dt, int64_t rows, int64_t dim
     }
     at::Tensor y = poisoned({rows, dim}, dt), s = poisoned({rows, dim}, dt);
     at::Tensor rstd = poisoned({rows}, at::kFloat);
-    cudaError_t err = rms_norm_forward_cuda(
-        elem(dt), x.data_ptr(), add ? r.data_ptr() : nullptr, w.data_ptr(),
-        add ? s.data_ptr() : nullptr, y.data_ptr(), rstd.data_ptr<float>(), rows, dim, 1e-6f,
-        nullptr);
+    cudaError_t err =
+        rms_norm_forward_cuda(elem(dt), x.data_ptr(), add ? r.data_ptr() : nullptr, w.data_ptr(),
+                              add ? s.data_ptr() : nullptr, y.data_ptr(), rstd.data_ptr<float>(),
+                              rows, dim, 1e-6f, nullptr);
     if (err == cudaErrorNotSupported)
         return c.fail(name + ": the kernel refused a row it should cover");
     at::Tensor xr = leaf(x), rr = leaf(r), wr = leaf(w), sr, yr;
@@ -84,8 +84,7 @@ void check_rms_norm(kt::Checker &c, at::ScalarType dt, int64_t rows, int64_t dim
     c.close(name + " dweight", partial.sum(0).to(dt), want[1], tol(dt));
 }
 
-void check_swiglu(kt::Checker &c, at::ScalarType dt, int64_t n, bool misaligned,
-                  int max_blocks) {
+void check_swiglu(kt::Checker &c, at::ScalarType dt, int64_t n, bool misaligned, int max_blocks) {
     const std::string name = "swiglu " + kt::describe(dt, {n}, misaligned ? " misaligned" : "") +
                              ", at most " + std::to_string(max_blocks) + " blocks";
     at::Tensor g = kt::randn({n}, dt, at::kCPU, 3.0), u = kt::randn({n}, dt, at::kCPU);
@@ -126,10 +125,10 @@ void check_rope(kt::Checker &c, at::ScalarType dt, std::vector<int64_t> shape, b
         x = kt::misaligned(x);
     const int64_t rows = b * t * heads;
     at::Tensor y = poisoned(shape, dt), rstd = poisoned({rows}, at::kFloat);
-    cudaError_t err = rope_forward_cuda(elem(dt), x.data_ptr(), norm ? w.data_ptr() : nullptr,
-                                        cos.data_ptr(), sin.data_ptr(), y.data_ptr(),
-                                        norm ? rstd.data_ptr<float>() : nullptr, rows, heads, t,
-                                        cb, d, 1e-6f, nullptr);
+    cudaError_t err =
+        rope_forward_cuda(elem(dt), x.data_ptr(), norm ? w.data_ptr() : nullptr, cos.data_ptr(),
+                          sin.data_ptr(), y.data_ptr(), norm ? rstd.data_ptr<float>() : nullptr,
+                          rows, heads, t, cb, d, 1e-6f, nullptr);
     if (!supported) {
         if (err != cudaErrorNotSupported)
             c.fail(name + ": the kernel accepted a head_dim it cannot cover");
@@ -142,11 +141,10 @@ void check_rope(kt::Checker &c, at::ScalarType dt, std::vector<int64_t> shape, b
     c.close(name + " y", y, yr, tol(dt));
 
     at::Tensor dx = poisoned(shape, dt), partial = poisoned({blocks, d}, at::kFloat);
-    err = rope_backward_cuda(elem(dt), gy.data_ptr(), x.data_ptr(), norm ? w.data_ptr() : nullptr,
-                             norm ? rstd.data_ptr<float>() : nullptr, cos.data_ptr(),
-                             sin.data_ptr(), dx.data_ptr(),
-                             norm ? partial.data_ptr<float>() : nullptr, blocks, rows, heads, t,
-                             cb, d, nullptr);
+    err = rope_backward_cuda(
+        elem(dt), gy.data_ptr(), x.data_ptr(), norm ? w.data_ptr() : nullptr,
+        norm ? rstd.data_ptr<float>() : nullptr, cos.data_ptr(), sin.data_ptr(), dx.data_ptr(),
+        norm ? partial.data_ptr<float>() : nullptr, blocks, rows, heads, t, cb, d, nullptr);
     if (err != cudaSuccess)
         return c.fail(name + ": backward launch failed");
     auto want = norm ? torch::autograd::grad({yr}, {xr, wr}, {gy})
