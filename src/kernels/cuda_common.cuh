@@ -19,9 +19,7 @@ template <> __device__ __forceinline__ float to_float<float>(float v) { return v
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
     return __bfloat162float(v);
 }
-template <> __device__ __forceinline__ float to_float<__half>(__half v) {
-    return __half2float(v);
-}
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
@@ -38,9 +36,7 @@ template <typename T> __device__ __forceinline__ float round_to(float v) {
 }
 
 // N consecutive elements moved as one load/store (N * sizeof(T) = 16 bytes on the fast path).
-template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
-    T v[N];
-};
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
 
 template <typename T, int N> __device__ __forceinline__ Vec<T, N> load(const T *p) {
     return *reinterpret_cast<const Vec<T, N> *>(p);

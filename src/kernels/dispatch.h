@@ -46,8 +46,8 @@ inline int resident_blocks(const at::Tensor &t, int per_sm) {
 // A launch error (bad configuration, no kernel image for this GPU) is reported where it
 // happened, with the kernel's name, rather than at the next synchronising call.
 inline void check_launch(cudaError_t err, const char *kernel) {
-    TORCH_CHECK(err == cudaSuccess, kernel, ": CUDA kernel launch failed: ",
-                cudaGetErrorString(err));
+    TORCH_CHECK(err == cudaSuccess, kernel,
+                ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 #endif
 

@@ -23,8 +23,7 @@ void check_norm_args(const char *name, const at::Tensor &x, const at::Tensor &we
     TORCH_CHECK(supported_dtype(x.scalar_type()), name, ": no kernel for dtype ",
                 c10::toString(x.scalar_type()), " (float32, bfloat16 and float16 have one)");
     TORCH_CHECK(weight.scalar_type() == x.scalar_type(), name, ": weight is ",
-                c10::toString(weight.scalar_type()), " but x is ",
-                c10::toString(x.scalar_type()));
+                c10::toString(weight.scalar_type()), " but x is ", c10::toString(x.scalar_type()));
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), name, ": weight must be [",
                 x.size(-1), "], got ", weight.sizes());
     TORCH_CHECK(weight.device() == x.device(), name, ": weight is on ", weight.device(),
@@ -45,8 +44,8 @@ struct NormBackward {
 // The ATen twin: the kernels' math in ATen operations, on contiguous tensors. The CPU worker
 // devices run it (in fp32 it is Hugging Face's expression, operation for operation), and CUDA
 // uses it for rows too long for the register-resident kernel.
-NormForward forward_aten(const at::Tensor &x, const at::Tensor &residual,
-                         const at::Tensor &weight, double eps) {
+NormForward forward_aten(const at::Tensor &x, const at::Tensor &residual, const at::Tensor &weight,
+                         double eps) {
     NormForward f;
     at::Tensor s = x;
     if (residual.defined())
@@ -138,8 +137,8 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
         if (!grads[0].defined())
             return {at::Tensor(), at::Tensor(), at::Tensor()};
         variable_list saved = ctx->get_saved_variables();
-        NormBackward b = run_backward(grads[0].contiguous(), at::Tensor(), saved[0], saved[1],
-                                      saved[2]);
+        NormBackward b =
+            run_backward(grads[0].contiguous(), at::Tensor(), saved[0], saved[1], saved[2]);
         return {b.dx, b.dweight, at::Tensor()};
     }
 };
@@ -147,8 +146,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> {
   public:
     static variable_list forward(AutogradContext *ctx, const at::Tensor &x,
-                                 const at::Tensor &residual, const at::Tensor &weight,
-                                 double eps) {
+                                 const at::Tensor &residual, const at::Tensor &weight, double eps) {
         at::Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
         NormForward f = run_forward(xc, rc, wc, eps);
         ctx->save_for_backward({f.sum, wc, f.rstd});
@@ -162,9 +160,9 @@ class AddRmsNormFunction : public torch::autograd::Function<AddRmsNormFunction> 
         if (!dy.defined())
             return {dsum, dsum, at::Tensor(), at::Tensor()};
         variable_list saved = ctx->get_saved_variables();
-        NormBackward b = run_backward(dy.contiguous(),
-                                      dsum.defined() ? dsum.contiguous() : at::Tensor(), saved[0],
-                                      saved[1], saved[2]);
+        NormBackward b =
+            run_backward(dy.contiguous(), dsum.defined() ? dsum.contiguous() : at::Tensor(),
+                         saved[0], saved[1], saved[2]);
         // The sum's gradient reaches x and residual alike.
         return {b.dx, b.dx, b.dweight, at::Tensor()};
     }
@@ -183,8 +181,8 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x, const at::Te
     TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
                     residual.device() == x.device(),
                 "add_rms_norm: residual must match x (", x.sizes(), ", ",
-                c10::toString(x.scalar_type()), ", ", x.device(), "), got ", residual.sizes(),
-                ", ", c10::toString(residual.scalar_type()), ", ", residual.device());
+                c10::toString(x.scalar_type()), ", ", x.device(), "), got ", residual.sizes(), ", ",
+                c10::toString(residual.scalar_type()), ", ", residual.device());
     variable_list out = AddRmsNormFunction::apply(x, residual, weight, eps);
     return {out[0], out[1]};
 }

@@ -169,9 +169,9 @@ void launch_forward(const RowPlan &plan, int grid, cudaStream_t stream, const T 
 }
 
 template <typename T, int N>
-void launch_backward(const RowPlan &plan, int grid, cudaStream_t stream, const T *dy,
-                     const T *dsum, const T *x, const T *weight, const float *rstd, T *dx,
-                     float *partial, int64_t rows, int dim) {
+void launch_backward(const RowPlan &plan, int grid, cudaStream_t stream, const T *dy, const T *dsum,
+                     const T *x, const T *weight, const float *rstd, T *dx, float *partial,
+                     int64_t rows, int dim) {
     switch (plan.vpt) {
 #define RP_CASE(V)                                                                                 \
     case V:                                                                                        \
@@ -200,8 +200,8 @@ template <typename T> int vector_width(int64_t dim, std::initializer_list<const 
 } // namespace
 
 cudaError_t rms_norm_forward_cuda(ElemType type, const void *x, const void *residual,
-                                  const void *weight, void *sum, void *y, float *rstd,
-                                  int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+                                  const void *weight, void *sum, void *y, float *rstd, int64_t rows,
+                                  int64_t dim, float eps, cudaStream_t stream) {
     return with_elem_type(type, [&](auto tag) -> cudaError_t {
         using T = decltype(tag);
         constexpr int vec = 16 / sizeof(T);
@@ -218,8 +218,8 @@ cudaError_t rms_norm_forward_cuda(ElemType type, const void *x, const void *resi
         const int d = static_cast<int>(dim);
         if (residual != nullptr) {
             if (n == vec)
-                launch_forward<T, vec, true>(plan, grid, stream, xt, rt, wt, st, yt, rstd, rows,
-                                             d, eps);
+                launch_forward<T, vec, true>(plan, grid, stream, xt, rt, wt, st, yt, rstd, rows, d,
+                                             eps);
             else
                 launch_forward<T, 1, true>(plan, grid, stream, xt, rt, wt, st, yt, rstd, rows, d,
                                            eps);
@@ -227,17 +227,16 @@ cudaError_t rms_norm_forward_cuda(ElemType type, const void *x, const void *resi
             launch_forward<T, vec, false>(plan, grid, stream, xt, rt, wt, st, yt, rstd, rows, d,
                                           eps);
         } else {
-            launch_forward<T, 1, false>(plan, grid, stream, xt, rt, wt, st, yt, rstd, rows, d,
-                                        eps);
+            launch_forward<T, 1, false>(plan, grid, stream, xt, rt, wt, st, yt, rstd, rows, d, eps);
         }
         return cudaGetLastError();
     });
 }
 
-cudaError_t rms_norm_backward_cuda(ElemType type, const void *dy, const void *dsum,
-                                   const void *x, const void *weight, const float *rstd,
-                                   void *dx, float *dweight_partial, int blocks, int64_t rows,
-                                   int64_t dim, cudaStream_t stream) {
+cudaError_t rms_norm_backward_cuda(ElemType type, const void *dy, const void *dsum, const void *x,
+                                   const void *weight, const float *rstd, void *dx,
+                                   float *dweight_partial, int blocks, int64_t rows, int64_t dim,
+                                   cudaStream_t stream) {
     return with_elem_type(type, [&](auto tag) -> cudaError_t {
         using T = decltype(tag);
         constexpr int vec = 16 / sizeof(T);
@@ -253,8 +252,8 @@ cudaError_t rms_norm_backward_cuda(ElemType type, const void *dy, const void *ds
         const int d = static_cast<int>(dim);
         // Every block writes its row of partials, even one that got no row (zeros).
         if (n == vec)
-            launch_backward<T, vec>(plan, blocks, stream, g, s, xt, wt, rstd, out,
-                                    dweight_partial, rows, d);
+            launch_backward<T, vec>(plan, blocks, stream, g, s, xt, wt, rstd, out, dweight_partial,
+                                    rows, d);
         else
             launch_backward<T, 1>(plan, blocks, stream, g, s, xt, wt, rstd, out, dweight_partial,
                                   rows, d);

@@ -44,7 +44,8 @@ RopeForward forward_aten(const at::Tensor &x, const at::Tensor &cos, const at::T
         z = weight * (xf * f.rstd.unsqueeze(-1)).to(x.scalar_type());
     }
     at::Tensor c = table(cos), s = table(sin);
-    at::Tensor z1 = z.narrow(-1, 0, half).to(at::kFloat), z2 = z.narrow(-1, half, half).to(at::kFloat);
+    at::Tensor z1 = z.narrow(-1, 0, half).to(at::kFloat),
+               z2 = z.narrow(-1, half, half).to(at::kFloat);
     f.y = at::cat({z1 * c - z2 * s, z2 * c + z1 * s}, -1).to(x.scalar_type());
     return f;
 }
@@ -92,8 +93,7 @@ RopeForward run_forward(const at::Tensor &x, const at::Tensor &cos, const at::Te
 }
 
 RopeBackward run_backward(const at::Tensor &dy, const at::Tensor &x, const at::Tensor &cos,
-                          const at::Tensor &sin, const at::Tensor &weight,
-                          const at::Tensor &rstd) {
+                          const at::Tensor &sin, const at::Tensor &weight, const at::Tensor &rstd) {
 #ifdef RP_KERNELS_HAVE_CUDA
     if (x.is_cuda()) {
         c10::cuda::CUDAGuard guard(x.device());
@@ -154,8 +154,10 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
 
 at::Tensor rope(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin,
                 const at::Tensor &norm_weight, double eps) {
-    TORCH_CHECK(x.dim() == 4 && x.size(3) > 0 && x.size(3) % 2 == 0, "rope: x must be [batch, "
-                "seq, heads, head_dim] with an even head_dim, got ", x.sizes());
+    TORCH_CHECK(x.dim() == 4 && x.size(3) > 0 && x.size(3) % 2 == 0,
+                "rope: x must be [batch, "
+                "seq, heads, head_dim] with an even head_dim, got ",
+                x.sizes());
     TORCH_CHECK(supported_dtype(x.scalar_type()), "rope: no kernel for dtype ",
                 c10::toString(x.scalar_type()), " (float32, bfloat16 and float16 have one)");
     const int64_t b = x.size(0), t = x.size(1), half = x.size(3) / 2;
@@ -173,10 +175,9 @@ at::Tensor rope(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &si
         TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == x.size(3) &&
                         norm_weight.scalar_type() == x.scalar_type() &&
                         norm_weight.device() == x.device(),
-                    "rope: norm_weight must be [", x.size(3), "], ",
-                    c10::toString(x.scalar_type()), " on ", x.device(), ", got ",
-                    norm_weight.sizes(), ", ", c10::toString(norm_weight.scalar_type()), " on ",
-                    norm_weight.device());
+                    "rope: norm_weight must be [", x.size(3), "], ", c10::toString(x.scalar_type()),
+                    " on ", x.device(), ", got ", norm_weight.sizes(), ", ",
+                    c10::toString(norm_weight.scalar_type()), " on ", norm_weight.device());
     std::optional<at::Tensor> weight;
     if (norm_weight.defined())
         weight = norm_weight;

@@ -54,10 +54,10 @@ __device__ __forceinline__ int64_t table_row(int64_t row, int64_t heads, int64_t
 // Warps walk the rows in lockstep: every lane of a warp runs the same number of loop trips, so
 // the group sums (warp shuffles over all 32 lanes) always see the whole warp.
 struct RowWalk {
-    int lane;        // lane within the row's group
-    int64_t first;   // this group's first row
-    int64_t step;    // rows between a group's successive rows
-    int64_t warp0;   // the warp's first row
+    int lane;      // lane within the row's group
+    int64_t first; // this group's first row
+    int64_t step;  // rows between a group's successive rows
+    int64_t warp0; // the warp's first row
     int64_t rows_per_warp;
     __device__ RowWalk(int group) {
         const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -132,9 +132,9 @@ template <typename T, int N, bool NORM, int ITERS>
 __global__ void __launch_bounds__(kThreads)
     rope_backward_kernel(const T *__restrict__ dy, const T *__restrict__ x,
                          const T *__restrict__ weight, const float *__restrict__ rstd_in,
-                         const T *__restrict__ cos, const T *__restrict__ sin,
-                         T *__restrict__ dx, float *__restrict__ dweight_partial, int64_t rows,
-                         int64_t heads, int64_t seq, int64_t cos_batch, int half, int group) {
+                         const T *__restrict__ cos, const T *__restrict__ sin, T *__restrict__ dx,
+                         float *__restrict__ dweight_partial, int64_t rows, int64_t heads,
+                         int64_t seq, int64_t cos_batch, int half, int group) {
     extern __shared__ float tile[]; // [groups per block][2 * half]: this block's dweight
     const RowWalk walk(group);
     const int head_dim = 2 * half;
@@ -245,19 +245,19 @@ int forward_grid(int64_t rows, int group) {
 }
 
 template <typename T, int N, bool NORM>
-void launch_backward(const HeadPlan &plan, int blocks, cudaStream_t stream, const T *dy,
-                     const T *x, const T *weight, const float *rstd, const T *cos, const T *sin,
-                     T *dx, float *partial, int64_t rows, int64_t heads, int64_t seq,
-                     int64_t cos_batch, int half) {
+void launch_backward(const HeadPlan &plan, int blocks, cudaStream_t stream, const T *dy, const T *x,
+                     const T *weight, const float *rstd, const T *cos, const T *sin, T *dx,
+                     float *partial, int64_t rows, int64_t heads, int64_t seq, int64_t cos_batch,
+                     int half) {
     const size_t tile = NORM ? sizeof(float) * (kThreads / plan.group) * 2 * half : 0;
     if (plan.iters == 1)
-        rope_backward_kernel<T, N, NORM, 1><<<blocks, kThreads, tile, stream>>>(
-            dy, x, weight, rstd, cos, sin, dx, partial, rows, heads, seq, cos_batch, half,
-            plan.group);
+        rope_backward_kernel<T, N, NORM, 1>
+            <<<blocks, kThreads, tile, stream>>>(dy, x, weight, rstd, cos, sin, dx, partial, rows,
+                                                 heads, seq, cos_batch, half, plan.group);
     else
-        rope_backward_kernel<T, N, NORM, 4><<<blocks, kThreads, tile, stream>>>(
-            dy, x, weight, rstd, cos, sin, dx, partial, rows, heads, seq, cos_batch, half,
-            plan.group);
+        rope_backward_kernel<T, N, NORM, 4>
+            <<<blocks, kThreads, tile, stream>>>(dy, x, weight, rstd, cos, sin, dx, partial, rows,
+                                                 heads, seq, cos_batch, half, plan.group);
 }
 
 } // namespace
@@ -323,8 +323,7 @@ cudaError_t rope_backward_cuda(ElemType type, const void *dy, const void *x, con
                                               dweight_partial, rows, heads, seq, cos_batch, half);
             else
                 launch_backward<T, vec, false>(plan, blocks, stream, g, xt, wt, rstd, ct, st, out,
-                                               dweight_partial, rows, heads, seq, cos_batch,
-                                               half);
+                                               dweight_partial, rows, heads, seq, cos_batch, half);
         } else if (weight != nullptr) {
             launch_backward<T, 1, true>(plan, blocks, stream, g, xt, wt, rstd, ct, st, out,
                                         dweight_partial, rows, heads, seq, cos_batch, half);

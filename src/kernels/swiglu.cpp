@@ -41,8 +41,7 @@ at::Tensor run_forward(const at::Tensor &gate, const at::Tensor &up) {
         at::Tensor y = at::empty_like(gate);
         check_launch(swiglu_forward_cuda(elem_type(gate.scalar_type()), gate.data_ptr(),
                                          up.data_ptr(), y.data_ptr(), gate.numel(),
-                                         resident_blocks(gate, kBlocksPerSm),
-                                         current_stream(gate)),
+                                         resident_blocks(gate, kBlocksPerSm), current_stream(gate)),
                      "swiglu forward");
         return y;
     }
@@ -56,12 +55,11 @@ std::pair<at::Tensor, at::Tensor> run_backward(const at::Tensor &dy, const at::T
     if (gate.is_cuda()) {
         c10::cuda::CUDAGuard guard(gate.device());
         at::Tensor dgate = at::empty_like(gate), dup = at::empty_like(up);
-        check_launch(swiglu_backward_cuda(elem_type(gate.scalar_type()), dy.data_ptr(),
-                                          gate.data_ptr(), up.data_ptr(), dgate.data_ptr(),
-                                          dup.data_ptr(), gate.numel(),
-                                          resident_blocks(gate, kBlocksPerSm),
-                                          current_stream(gate)),
-                     "swiglu backward");
+        check_launch(
+            swiglu_backward_cuda(elem_type(gate.scalar_type()), dy.data_ptr(), gate.data_ptr(),
+                                 up.data_ptr(), dgate.data_ptr(), dup.data_ptr(), gate.numel(),
+                                 resident_blocks(gate, kBlocksPerSm), current_stream(gate)),
+            "swiglu backward");
         return {dgate, dup};
     }
 #endif
@@ -96,8 +94,8 @@ at::Tensor swiglu(const at::Tensor &gate, const at::Tensor &up) {
     TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type() &&
                     up.device() == gate.device(),
                 "swiglu: up must match gate (", gate.sizes(), ", ",
-                c10::toString(gate.scalar_type()), ", ", gate.device(), "), got ", up.sizes(),
-                ", ", c10::toString(up.scalar_type()), ", ", up.device());
+                c10::toString(gate.scalar_type()), ", ", gate.device(), "), got ", up.sizes(), ", ",
+                c10::toString(up.scalar_type()), ", ", up.device());
     return SwigluFunction::apply(gate, up);
 }
 

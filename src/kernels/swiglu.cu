@@ -84,8 +84,8 @@ int grid_for(int64_t work, int max_blocks) {
 
 } // namespace
 
-cudaError_t swiglu_forward_cuda(ElemType type, const void *gate, const void *up, void *y,
-                                int64_t n, int max_blocks, cudaStream_t stream) {
+cudaError_t swiglu_forward_cuda(ElemType type, const void *gate, const void *up, void *y, int64_t n,
+                                int max_blocks, cudaStream_t stream) {
     if (n == 0)
         return cudaSuccess;
     return with_elem_type(type, [&](auto tag) -> cudaError_t {

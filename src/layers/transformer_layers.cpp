@@ -131,8 +131,8 @@ class DecoderLayer final : public Layer {
         // Hugging Face's rounding points and RoPE and SwiGLU round once where the expressions
         // round each product (src/kernels/*.cu say where).
         const bool fused = fusable(x, p);
-        at::Tensor h = fused ? kernels::rms_norm(x, p[in_norm_], s_.eps)
-                             : rms_norm(x, p[in_norm_], s_.eps);
+        at::Tensor h =
+            fused ? kernels::rms_norm(x, p[in_norm_], s_.eps) : rms_norm(x, p[in_norm_], s_.eps);
         at::Tensor q = linear(h, p, q_w_, q_b_).view({b, t, s_.heads, s_.head_dim});
         at::Tensor k = linear(h, p, k_w_, k_b_).view({b, t, s_.kv_heads, s_.head_dim});
         at::Tensor v = linear(h, p, v_w_, v_b_).view({b, t, s_.kv_heads, s_.head_dim});

@@ -67,8 +67,8 @@ class Checker {
             return;
         }
         if (got.scalar_type() != want.scalar_type()) {
-            fail(what + ": dtype " + c10::toString(got.scalar_type()) + " != " +
-                 c10::toString(want.scalar_type()));
+            fail(what + ": dtype " + c10::toString(got.scalar_type()) +
+                 " != " + c10::toString(want.scalar_type()));
             return;
         }
         at::Tensor g = got.to(at::kCPU, at::kDouble), w = want.to(at::kCPU, at::kDouble);

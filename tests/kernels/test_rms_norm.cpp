@@ -123,9 +123,9 @@ int main() {
     // Row lengths: tiny, a head (128), odd (33: no vector fits), 1000 and 4100 (fp32 vectors but
     // not bf16's 8-element ones), the hidden sizes 2048 and 8192, and 12288 (bf16 vectors only:
     // longer rows than one thread-vector plan covers in the scalar path).
-    const std::vector<std::vector<int64_t>> shapes = {
-        {1, 1, 8}, {2, 3, 128}, {3, 33}, {2, 5, 1000}, {4, 4100}, {2, 3, 2048}, {1, 2, 8192},
-        {1, 12288}};
+    const std::vector<std::vector<int64_t>> shapes = {{1, 1, 8},    {2, 3, 128}, {3, 33},
+                                                      {2, 5, 1000}, {4, 4100},   {2, 3, 2048},
+                                                      {1, 2, 8192}, {1, 12288}};
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
         for (const auto &shape : shapes) {
             check_rms_norm(c, dtype, device, shape, Layout::Contiguous, "");

@@ -79,8 +79,8 @@ void check(kt::Checker &c, at::ScalarType dtype, c10::Device device, const Case 
     const int64_t cb = k.per_batch_tables ? k.b : 1;
     at::Tensor pos = at::arange(k.t, at::kLong).unsqueeze(0).repeat({cb, 1}) +
                      at::arange(cb, at::kLong).unsqueeze(1) * 3;
-    at::Tensor inv = at::pow(1e6, at::arange(0, k.head_dim, 2, at::kFloat) / double(k.head_dim))
-                         .reciprocal();
+    at::Tensor inv =
+        at::pow(1e6, at::arange(0, k.head_dim, 2, at::kFloat) / double(k.head_dim)).reciprocal();
     at::Tensor freqs = pos.unsqueeze(-1).to(at::kFloat) * inv; // [cb, t, half]
     at::Tensor cos = freqs.cos().to(dtype).to(device), sin = freqs.sin().to(dtype).to(device);
 
@@ -129,12 +129,12 @@ int main() {
         {2, 5, 3, 128, false, false},  // Llama: rope only
         {1, 33, 16, 128, true, false}, // many rows: several per warp, several warps
         {3, 7, 2, 64, false, true},
-        {2, 3, 4, 80, true, true},     // half 40: five bf16 vectors per half
+        {2, 3, 4, 80, true, true}, // half 40: five bf16 vectors per half
         {1, 4, 2, 96, false, true},
         {2, 3, 2, 256, true, true},
-        {2, 3, 3, 6, false, true},     // half 3: no vector fits
+        {2, 3, 3, 6, false, true}, // half 3: no vector fits
         {1, 2, 1, 2, false, true},
-        {1, 3, 2, 1030, false, true},  // past the CUDA kernel's 1024: the ATen twin
+        {1, 3, 2, 1030, false, true}, // past the CUDA kernel's 1024: the ATen twin
         {2, 4, 3, 128, false, true, Layout::FusedQkv},
         {2, 4, 3, 128, true, false, Layout::FusedQkv},
         {2, 4, 3, 128, false, true, Layout::Misaligned},

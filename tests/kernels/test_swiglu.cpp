@@ -69,8 +69,8 @@ int main() {
     kt::Checker c;
     // 1, 7 and 8195 elements leave a tail after the 16-byte vectors; 3x5x11 has no vector at
     // all in bf16; the rest are MLP-like.
-    const std::vector<std::vector<int64_t>> shapes = {
-        {1}, {7}, {3, 5, 11}, {2, 3, 1024}, {4, 8195}, {2, 64, 2816}};
+    const std::vector<std::vector<int64_t>> shapes = {{1},          {7},       {3, 5, 11},
+                                                      {2, 3, 1024}, {4, 8195}, {2, 64, 2816}};
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
         for (const auto &shape : shapes)
             check(c, dtype, device, shape, Layout::Contiguous);
