@@ -736,6 +736,17 @@ RP_API rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name,
  * RP_ERR_INVALID_ARGUMENT (NULL, negative or non-finite). */
 RP_API rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);
 
+/** Device bytes the layer's forward with gradients keeps for its backward, per token of the
+ * microbatch (each element of an integer input 0, else each row along the last dimension of
+ * input 0), in the model dtype. Under a GPU memory cap the planner multiplies it by the tokens
+ * of a call's microbatches to size the fused tail and the recompute working sets (see
+ * rp_model_options_set_gpu_memory_cap). Default: four times the model-dtype bytes of the
+ * summed input widths (last dimensions) of the layer's matrices; for a layer without matrices,
+ * four times its widest vector parameter; for one without parameters, the figure of the layer
+ * before. @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL, negative or non-finite).
+ * Thread: any thread, before rp_model_create_with_layers takes the definition. */
+RP_API rp_status rp_layer_def_set_activation_bytes(rp_layer_def *def, double bytes_per_token);
+
 /**
  * The scalar facts of a callback invocation; any out-parameter may be NULL.
  * @param out_phase an rp_layer_phase (loss callbacks: RP_PHASE_TAIL).

@@ -168,12 +168,100 @@ static void the_long_sequence_plan_computes_what_the_weights_only_plan_does(void
     rp_model_destroy(free_model);
 }
 
+/* A caller-defined layer without parameters that passes its fp32 input on (a copy) and the
+ * gradient back. */
+static int32_t pass_forward(rp_tensor_list *out, void **context, const rp_layer_call *call,
+                            const DLManagedTensor *const *inputs, size_t n_inputs,
+                            void *user_data) {
+    (void)context, (void)call, (void)n_inputs, (void)user_data;
+    const DLTensor *x = &inputs[0]->dl_tensor;
+    float *values = malloc(sizeof(float) * (size_t)ts_numel(x));
+    ts_read_f32(x, values);
+    rp_status s = rp_tensor_list_push(out, ts_f32(x->ndim, x->shape, values));
+    free(values);
+    return s == RP_OK ? 0 : 1;
+}
+
+static int32_t pass_backward(rp_tensor_list *input_grads, rp_tensor_list *param_grads,
+                             void *context, const rp_layer_call *call,
+                             const DLManagedTensor *const *output_grads, size_t n_outputs,
+                             void *user_data) {
+    (void)param_grads, (void)context, (void)call, (void)n_outputs, (void)user_data;
+    return pass_forward(input_grads, NULL, call, output_grads, 1, NULL);
+}
+
+/* Four pass-through layers between two linear layers; `bytes` < 0: no declaration. */
+static rp_model *caller_model(double bytes) {
+    rp_layer_def *defs[4];
+    for (int i = 0; i < 4; ++i) {
+        TS_OK(rp_layer_def_create(&defs[i], "c:pass", pass_forward, pass_backward, NULL, NULL));
+        if (bytes >= 0)
+            TS_OK(rp_layer_def_set_activation_bytes(defs[i], bytes));
+    }
+    rp_model_options *o = NULL;
+    TS_OK(rp_model_options_create(&o));
+    TS_OK(rp_model_options_set_devices(o, RP_DEVICE_CPU, 1));
+    TS_OK(rp_model_options_set_gpu_memory_cap(o, CAP));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create_with_layers(&m,
+                                      "{\"layers\": [{\"type\": \"linear\", \"in\": 8, \"out\": 8},"
+                                      "{\"type\": \"caller\", \"def\": 0},"
+                                      "{\"type\": \"caller\", \"def\": 1},"
+                                      "{\"type\": \"caller\", \"def\": 2},"
+                                      "{\"type\": \"caller\", \"def\": 3},"
+                                      "{\"type\": \"linear\", \"in\": 8, \"out\": 8}]}",
+                                      (const rp_layer_def *const *)defs, 4, o));
+    rp_model_options_destroy(o);
+    for (int i = 0; i < 4; ++i)
+        rp_layer_def_destroy(defs[i]);
+    return m;
+}
+
+/* 40 rows of 8 floats are 40 tokens. Declared 0.8 MB per token, a pass-through layer keeps 32 MB:
+ * one with its backward transient (48 MB) fits the 50.3 MB a stage may use, two (80 MB) do not. Undeclared,
+ * it is taken as wide as the linear layer before it (128 bytes per token): one plan of two. */
+static void caller_layers_declare_their_activation_bytes(void **state) {
+    (void)state;
+    rp_model *declared = caller_model(0.8e6), *guessed = caller_model(-1);
+    int64_t shape[2] = {40, 8};
+    float values[320];
+    ts_fill_uniform(values, 320, 3, -1.0f, 1.0f);
+    DLManagedTensor *x = ts_f32(2, shape, values), *y = ts_f32(2, shape, NULL);
+    const DLManagedTensor *inputs[1] = {x};
+    rp_loss *mse = NULL;
+    TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
+    rp_run_config *one = ts_config(1, RP_GRAIN_STAGE);
+    double a = 0, b = 0;
+    TS_OK(rp_forward_backward(&a, NULL, declared, inputs, 1, y, mse, one));
+    TS_OK(rp_forward_backward(&b, NULL, guessed, inputs, 1, y, mse, one));
+    int32_t counts[NUM_LAYERS], n = 0;
+    TS_OK(rp_model_stage_plan(counts, &n, NUM_LAYERS, declared));
+    assert_true(n >= 4);
+    TS_OK(rp_model_stage_plan(counts, &n, NUM_LAYERS, guessed));
+    assert_int_equal(n, 2);
+    assert_true(a == b); /* the same computation, cut elsewhere */
+
+    rp_layer_def *def = NULL;
+    TS_OK(rp_layer_def_create(&def, "c:pass", pass_forward, pass_backward, NULL, NULL));
+    TS_ERR(rp_layer_def_set_activation_bytes(def, -1.0), RP_ERR_INVALID_ARGUMENT, "activation");
+    TS_ERR(rp_layer_def_set_activation_bytes(def, NAN), RP_ERR_INVALID_ARGUMENT, "activation");
+    TS_ERR(rp_layer_def_set_activation_bytes(NULL, 1.0), RP_ERR_INVALID_ARGUMENT, "NULL");
+    rp_layer_def_destroy(def);
+    rp_run_config_destroy(one);
+    rp_loss_destroy(mse);
+    ts_free(x);
+    ts_free(y);
+    rp_model_destroy(declared);
+    rp_model_destroy(guessed);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(short_sequences_keep_the_plan_weights_alone_give),
         cmocka_unit_test(long_microbatches_under_a_small_cap_get_one_decoder_layer_per_stage),
         cmocka_unit_test(layer_grain_recompute_lets_backward_stages_grow_but_not_the_tail),
         cmocka_unit_test(the_long_sequence_plan_computes_what_the_weights_only_plan_does),
+        cmocka_unit_test(caller_layers_declare_their_activation_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
