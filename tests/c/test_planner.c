@@ -8,11 +8,11 @@
  * The model is a Qwen3-shaped decoder stack in fp32: token embedding, six decoder layers (dim 64,
  * 4 query heads and 2 key/value heads of 16, qk_norm, MLP 512), a final RMSNorm; the loss is the
  * mean squared error of the hidden states. By the decoder layer's count
- * (DecoderLayer::activation_bytes_per_token), one layer keeps 12,176 bytes per token in fp32:
- * at 2,048 tokens per microbatch that is 24.9 MB, against weights and gradients of 0.9 MB. The
+ * (DecoderLayer::activation_bytes_per_token), one layer keeps 11,408 bytes per token in fp32:
+ * at 2,048 tokens per microbatch that is 23.4 MB, against weights and gradients of 0.9 MB. The
  * cap of 64 MiB lets a stage use three quarters of it, 50.3 MB: at stage grain a stage then
- * holds one decoder layer (1.5 layers' activations, 38 MB) but not two (64 MB); at 32 tokens
- * activations are negligible.
+ * holds one decoder layer (its activations and half again for the backward's transient, 36 MB)
+ * but not two (60 MB); at 32 tokens activations are negligible.
  */
 #include "test_support.h"
 
