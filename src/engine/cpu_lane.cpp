@@ -25,7 +25,8 @@ class CpuLane final : public DeviceLane {
     }
     Transfer upload(const Transfer &from, size_t) override { return from; }
     void use(const Transfer &) override {}
-    Transfer download(const std::vector<at::Tensor> &t, size_t, Payload) override {
+    Transfer download(const std::vector<at::Tensor> &t, size_t, Payload,
+                      std::shared_ptr<void>) override {
         return {t, nullptr};
     }
 

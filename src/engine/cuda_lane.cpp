@@ -108,8 +108,8 @@ class CudaLane final : public DeviceLane {
     }
 
     Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job,
-                      Payload payload) override {
-        auto computed = record(compute_);
+                      Payload payload, std::shared_ptr<void> after) override {
+        auto computed = after ? std::static_pointer_cast<Event>(after) : record(compute_);
         c10::cuda::CUDAStreamGuard guard(download_);
         computed->block(download_);
         auto start = record(download_);
@@ -131,6 +131,14 @@ class CudaLane final : public DeviceLane {
         mark("download", job, start, end, moved,
              payload == Payload::Gradients ? "gradients" : "activations");
         return t;
+    }
+
+    // On the calling thread's current stream: the compute stream for the worker thread; for
+    // autograd's thread, the stream its backward kernels (and a hook's own) were enqueued on.
+    std::shared_ptr<void> mark_compute() override {
+        auto e = std::make_shared<Event>(cudaEventDisableTiming);
+        e->record(c10::cuda::getCurrentCUDAStream(device_.index()));
+        return e;
     }
 
     void wait(const Transfer &transfer) override {

@@ -49,9 +49,15 @@ class DeviceLane {
     virtual Transfer upload(const Transfer &from, size_t job) = 0;
     // Makes the compute stream wait for a transfer.
     virtual void use(const Transfer &transfer) = 0;
-    // Device tensors -> pinned host memory after the compute so far, on the download stream.
+    // Device tensors -> pinned host memory on the download stream, after the compute so far or,
+    // given `after` (from mark_compute), after only the compute enqueued before that marker.
     virtual Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job,
-                              Payload payload = Payload::Activations) = 0;
+                              Payload payload = Payload::Activations,
+                              std::shared_ptr<void> after = nullptr) = 0;
+    // A marker of the compute the calling thread has enqueued so far (a CUDA event on its
+    // current stream; null on CPU devices, where compute is done when enqueued). Any thread:
+    // autograd calls its hooks on threads of its own.
+    virtual std::shared_ptr<void> mark_compute() { return nullptr; }
     // Any thread: blocks until a transfer has landed (for host code that reads its tensors).
     virtual void wait(const Transfer &transfer) = 0;
     // Brackets compute for the timing record.

@@ -32,11 +32,11 @@ class GradAccumulator {
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
     void begin_call(bool buffers_zero, double factor);
-    // Worker threads: the (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
-    // and `check`, a 0-d host tensor holding the sum of those gradients (inf or nan when any
-    // element is), computed on the device so the host need not read them twice.
-    void add(std::vector<std::pair<size_t, at::Tensor>> grads, at::Tensor check, Transfer ready,
-             DeviceLane &lane);
+    // Worker threads: (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
+    // and `checks`, 0-d host tensors whose sum is the sum of those gradients (inf or nan when
+    // any element is), computed on the device so the host need not read them twice.
+    void add(std::vector<std::pair<size_t, at::Tensor>> grads, std::vector<at::Tensor> checks,
+             Transfer ready, DeviceLane &lane);
     // Caller thread, after every job of the call has finished: waits for the additions, applies
     // or drops the call. Rethrows a failure of the additions themselves (the call then leaves
     // no trace when the buffers were zero).
@@ -45,7 +45,7 @@ class GradAccumulator {
   private:
     struct Item {
         std::vector<std::pair<size_t, at::Tensor>> grads;
-        at::Tensor check;
+        std::vector<at::Tensor> checks;
         Transfer ready;
         DeviceLane *lane;
     };

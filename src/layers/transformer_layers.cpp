@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+
+#include "kernels/rms_norm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 
 namespace rp {
 
@@ -12,7 +17,8 @@ ParamSpec normal_param(const std::string &name, std::vector<int64_t> shape, doub
 namespace {
 
 // Hugging Face's LlamaRMSNorm / Qwen3RMSNorm: normalise in fp32, round to the input dtype, then
-// scale.
+// scale. This and the other unfused expressions below serve the dtypes the fused kernels
+// (src/kernels/) have no code for; tests/kernels checks the kernels against them.
 at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
     at::Tensor xf = x.to(at::kFloat);
     at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
@@ -152,22 +158,40 @@ class DecoderLayer final : public Layer {
         at::Tensor mask = side.size() > 0 ? side[0] : at::Tensor();
         at::Tensor positions = side.size() > 1 ? side[1] : at::Tensor();
 
-        at::Tensor h = rms_norm(x, p[in_norm_], s_.eps);
+        // The fused kernels on every device (CUDA on GPUs, their ATen twins on CPUs): in fp32
+        // they equal the unfused expressions to rounding; in bf16/fp16 the RMSNorms keep
+        // Hugging Face's rounding points and RoPE and SwiGLU round once where the expressions
+        // round each product (src/kernels/*.cu say where).
+        const bool fused = fusable(x, p);
+        at::Tensor h = fused ? kernels::rms_norm(x, p[in_norm_], s_.eps)
+                             : rms_norm(x, p[in_norm_], s_.eps);
         at::Tensor q = linear(h, p, q_w_, q_b_).view({b, t, s_.heads, s_.head_dim});
         at::Tensor k = linear(h, p, k_w_, k_b_).view({b, t, s_.kv_heads, s_.head_dim});
         at::Tensor v = linear(h, p, v_w_, v_b_).view({b, t, s_.kv_heads, s_.head_dim});
-        if (s_.qk_norm) {
-            q = rms_norm(q, p[q_norm_], s_.eps);
-            k = rms_norm(k, p[k_norm_], s_.eps);
-        }
-        q = q.transpose(1, 2);
-        k = k.transpose(1, 2);
-        v = v.transpose(1, 2);
 
         at::Tensor cos, sin;
         rotary(positions, b, t, x, cos, sin);
-        q = q * cos + rotate_half(q) * sin;
-        k = k * cos + rotate_half(k) * sin;
+        if (fused) {
+            // q_norm/k_norm and the rotation in one pass over each head, before the transpose.
+            const at::Tensor none;
+            q = kernels::rope(q, cos, sin, s_.qk_norm ? p[q_norm_] : none, s_.eps);
+            k = kernels::rope(k, cos, sin, s_.qk_norm ? p[k_norm_] : none, s_.eps);
+            q = q.transpose(1, 2);
+            k = k.transpose(1, 2);
+        } else {
+            if (s_.qk_norm) {
+                q = rms_norm(q, p[q_norm_], s_.eps);
+                k = rms_norm(k, p[k_norm_], s_.eps);
+            }
+            q = q.transpose(1, 2);
+            k = k.transpose(1, 2);
+            // Hugging Face's tables repeat the half tables: [batch or 1, 1, seq, head_dim].
+            at::Tensor cos_full = at::cat({cos, cos}, -1).unsqueeze(1);
+            at::Tensor sin_full = at::cat({sin, sin}, -1).unsqueeze(1);
+            q = q * cos_full + rotate_half(q) * sin_full;
+            k = k * cos_full + rotate_half(k) * sin_full;
+        }
+        v = v.transpose(1, 2);
 
         at::Tensor attn;
         if (mask.defined()) {
@@ -190,16 +214,36 @@ class DecoderLayer final : public Layer {
                                                     std::nullopt, /*enable_gqa=*/true);
         }
         attn = attn.transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim});
-        at::Tensor out = x + linear(attn, p, o_w_, o_b_);
-
-        at::Tensor h2 = rms_norm(out, p[post_norm_], s_.eps);
-        at::Tensor mlp = at::silu(linear(h2, p, gate_w_, gate_b_)) * linear(h2, p, up_w_, up_b_);
+        at::Tensor attn_out = linear(attn, p, o_w_, o_b_);
+        at::Tensor out, h2;
+        if (fused) {
+            std::tie(out, h2) = kernels::add_rms_norm(x, attn_out, p[post_norm_], s_.eps);
+        } else {
+            out = x + attn_out;
+            h2 = rms_norm(out, p[post_norm_], s_.eps);
+        }
+        at::Tensor gate = linear(h2, p, gate_w_, gate_b_), up = linear(h2, p, up_w_, up_b_);
+        at::Tensor mlp = fused ? kernels::swiglu(gate, up) : at::silu(gate) * up;
         return out + linear(mlp, p, down_w_, down_b_);
     }
 
   private:
-    // cos and sin [batch or 1, 1, seq, head_dim] in x's dtype, as transformers'
-    // LlamaRotaryEmbedding computes them (angles in fp32, then rounded).
+    // The fused kernels cover float32, bfloat16 and float16 with the norm weights in the
+    // activations' dtype; other models (float64, weights kept in another dtype) run the
+    // unfused expressions.
+    bool fusable(const at::Tensor &x, const std::vector<at::Tensor> &p) const {
+        const at::ScalarType dt = x.scalar_type();
+        if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf)
+            return false;
+        for (int i : {in_norm_, post_norm_, q_norm_, k_norm_})
+            if (i >= 0 && p[i].scalar_type() != dt)
+                return false;
+        return true;
+    }
+
+    // cos and sin [batch or 1, seq, head_dim / 2] in x's dtype, as transformers'
+    // LlamaRotaryEmbedding computes them (angles in fp32, then rounded); its tables repeat
+    // these along the last dimension.
     void rotary(const at::Tensor &positions, int64_t b, int64_t t, const at::Tensor &x,
                 at::Tensor &cos, at::Tensor &sin) const {
         at::Tensor pos;
@@ -217,9 +261,8 @@ class DecoderLayer final : public Layer {
         }
         at::Tensor inv = inv_freq_.to(x.device(), /*non_blocking=*/true);
         at::Tensor freqs = pos.unsqueeze(-1).to(at::kFloat) * inv;
-        at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);
-        cos = emb.cos().to(x.scalar_type());
-        sin = emb.sin().to(x.scalar_type());
+        cos = freqs.cos().to(x.scalar_type());
+        sin = freqs.sin().to(x.scalar_type());
     }
 
     at::Tensor repeat_kv(const at::Tensor &x) const {
