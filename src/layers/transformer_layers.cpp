@@ -117,34 +117,33 @@ class DecoderLayer final : public Layer {
 
     std::string type() const override { return "decoder_layer"; }
 
-    // What autograd keeps of forward() below per token, with d = dim, q = heads * head_dim,
-    // kv = kv_heads * head_dim, h = hidden, e = dtype_bytes and f = 4 (fp32). A product keeps
-    // a factor only when the other one wants a gradient, so the RoPE products keep cos and sin
-    // but not the queries and keys.
-    //  - each of the two RMSNorms: its fp32 copy of the input (read by pow and by the product
-    //    with rsqrt), the normalised value in the compute dtype (read by the weight product) and
-    //    its output (the input of the next linears): (f + 2e) d;
-    //  - queries with qk_norm: the norm's fp32 copy and normalised value, and the rotated
-    //    queries attention keeps: (f + 2e) q; without qk_norm only the rotated ones: e q. Keys
-    //    the same with kv; values e kv (kept by attention);
-    //  - the RoPE cos and sin rows: 2e head_dim;
+    // What autograd keeps of forward() below per token on the fused path (every float, bf16 and
+    // fp16 model), with d = dim, q = heads * head_dim, kv = kv_heads * head_dim, h = hidden,
+    // e = dtype_bytes and f = 4 (fp32), from the save_for_backward lists of src/kernels:
+    //  - the input RMSNorm keeps its input and its fp32 rstd per row, and its output is kept by
+    //    the q/k/v projections: 2e d + f; the post-attention add_rms_norm keeps the residual sum
+    //    and rstd, its output kept by the gate and up projections: 2e d + f;
+    //  - queries with qk_norm: RoPE keeps the projection's output (for the norm's backward) and
+    //    an fp32 rstd per head, attention keeps the rotated queries: 2e q + f heads; without
+    //    qk_norm only the rotated ones: e q. Keys the same with kv and kv_heads; values e kv;
+    //  - the RoPE half tables cos and sin: e head_dim;
     //  - attention's output (o_proj's input is a view of it) e q, and its fp32 logsumexp f heads;
-    //  - the MLP: the gate projection (silu's input), silu's output, the up projection and the
-    //    product (down_proj's input): 4e h.
-    // The residual sums are read by nothing that keeps them, and the layer's output is kept by
-    // the next layer's norm (counted there). Row statistics (one float per row) are left out.
-    // Qwen3-1.7B in bf16: 113,216 bytes, 6.9 GiB per layer for 65,536 tokens; the fused tail of
-    // 15 such layers that issue 15 measured at 115 GiB holds 104 GiB of them. With an attention
-    // mask the keys and values are repeated to every head before attention and a [seq, seq]
-    // mask is made, which this per-token figure does not count.
+    //  - the MLP: gate and up (kept by SwiGLU, which recomputes silu) and SwiGLU's output (kept
+    //    by down_proj): 3e h.
+    // Qwen3-1.7B in bf16: 72,104 bytes, 4.4 GiB per layer for 65,536 tokens. The unfused path
+    // (other dtypes) keeps more (fp32 norm copies, silu's output: 113,216 bytes for the same
+    // shape), and with an attention mask the keys and values are repeated to every head and a
+    // [seq, seq] mask is made, which this per-token figure does not count.
     double activation_bytes_per_token(double e) const override {
         const double f = 4.0, d = static_cast<double>(s_.dim);
         const double q = static_cast<double>(s_.heads * s_.head_dim);
         const double kv = static_cast<double>(s_.kv_heads * s_.head_dim);
-        const double projected = s_.qk_norm ? f + 2.0 * e : e;
-        return 2.0 * (f + 2.0 * e) * d + projected * (q + kv) + e * kv +
-               2.0 * e * static_cast<double>(s_.head_dim) + e * q +
-               f * static_cast<double>(s_.heads) + 4.0 * e * static_cast<double>(s_.hidden);
+        const double heads = static_cast<double>(s_.heads),
+                     kv_heads = static_cast<double>(s_.kv_heads);
+        const double projected =
+            s_.qk_norm ? 2.0 * e * (q + kv) + f * (heads + kv_heads) : e * (q + kv);
+        return 2.0 * (2.0 * e * d + f) + projected + e * kv + e * static_cast<double>(s_.head_dim) +
+               e * q + f * heads + 3.0 * e * static_cast<double>(s_.hidden);
     }
 
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,

@@ -8,11 +8,11 @@
  * The model is a Qwen3-shaped decoder stack in fp32: token embedding, six decoder layers (dim 64,
  * 4 query heads and 2 key/value heads of 16, qk_norm, MLP 512), a final RMSNorm; the loss is the
  * mean squared error of the hidden states. By the decoder layer's count
- * (DecoderLayer::activation_bytes_per_token), one layer keeps 11,408 bytes per token in fp32:
- * at 2,048 tokens per microbatch that is 23.4 MB, against weights and gradients of 0.9 MB. The
+ * (DecoderLayer::activation_bytes_per_token), one layer keeps 8,432 bytes per token in fp32:
+ * at 3,072 tokens per microbatch that is 25.9 MB, against weights and gradients of 0.9 MB. The
  * cap of 64 MiB lets a stage use three quarters of it, 50.3 MB: at stage grain a stage then
- * holds one decoder layer (its activations and half again for the backward's transient, 36 MB)
- * but not two (60 MB); at 32 tokens activations are negligible.
+ * holds one decoder layer (its activations and half again for the backward's transient, 40 MB)
+ * but not two (67 MB); at 32 tokens activations are negligible.
  */
 #include "test_support.h"
 
@@ -111,16 +111,16 @@ static void long_microbatches_under_a_small_cap_get_one_decoder_layer_per_stage(
     rp_model *m = model_with_cap(CAP);
     int32_t short_plan[NUM_LAYERS], long_plan[NUM_LAYERS];
     int32_t n_short = plan_of(m, short_plan);
-    train_call(m, 128, 1, RP_GRAIN_STAGE); /* 2,048 tokens in one microbatch */
+    train_call(m, 192, 1, RP_GRAIN_STAGE); /* 3,072 tokens in one microbatch */
     int32_t n_long = plan_of(m, long_plan);
     assert_true(n_long > n_short);
     for (int32_t s = 0; s < n_long; ++s)
         assert_true(decoders_in_stage(long_plan, s) <= 1);
     assert_true(decoders_in_stage(long_plan, n_long - 1) <
                 decoders_in_stage(short_plan, n_short - 1)); /* a shorter fused tail */
-    /* The same tokens in 16 microbatches of 128: the microbatch in flight is what counts. */
+    /* The same tokens in 16 microbatches of 192: the microbatch in flight is what counts. */
     int32_t split_plan[NUM_LAYERS];
-    train_call(m, 128, 16, RP_GRAIN_STAGE);
+    train_call(m, 192, 16, RP_GRAIN_STAGE);
     int32_t n_split = plan_of(m, split_plan);
     assert_int_equal(n_split, n_short);
     assert_memory_equal(split_plan, short_plan, sizeof(int32_t) * (size_t)n_short);
@@ -131,9 +131,9 @@ static void layer_grain_recompute_lets_backward_stages_grow_but_not_the_tail(voi
     (void)state;
     rp_model *m = model_with_cap(CAP);
     int32_t stage_grain[NUM_LAYERS], layer_grain[NUM_LAYERS];
-    train_call(m, 128, 1, RP_GRAIN_STAGE);
+    train_call(m, 192, 1, RP_GRAIN_STAGE);
     int32_t n_stage = plan_of(m, stage_grain);
-    train_call(m, 128, 1, RP_GRAIN_LAYER);
+    train_call(m, 192, 1, RP_GRAIN_LAYER);
     int32_t n_layer = plan_of(m, layer_grain);
     /* A layer-grain backward stage keeps one layer's graph at a time, so stages may hold several
      * decoder layers; the tail keeps its whole graph at either grain. */
@@ -153,8 +153,8 @@ static void layer_grain_recompute_lets_backward_stages_grow_but_not_the_tail(voi
 static void the_long_sequence_plan_computes_what_the_weights_only_plan_does(void **state) {
     (void)state;
     rp_model *capped = model_with_cap(CAP), *free_model = model_with_cap(0);
-    double got = train_call(capped, 128, 1, RP_GRAIN_STAGE);
-    double want = train_call(free_model, 128, 1, RP_GRAIN_STAGE);
+    double got = train_call(capped, 192, 1, RP_GRAIN_STAGE);
+    double want = train_call(free_model, 192, 1, RP_GRAIN_STAGE);
     int32_t a[NUM_LAYERS], b[NUM_LAYERS];
     assert_true(plan_of(capped, a) != plan_of(free_model, b));
     assert_true(fabs(got - want) <= 1e-6 * fabs(want));
