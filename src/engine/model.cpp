@@ -198,7 +198,8 @@ void Model::replan_from_trace() {
         for (const TraceSpan &span : job.spans)
             if (span.what == "compute")
                 ms += span.end_ms - span.start_ms;
-        stage_ms[job.stage] = several ? std::max(stage_ms[job.stage], ms) : stage_ms[job.stage] + ms;
+        stage_ms[job.stage] =
+            several ? std::max(stage_ms[job.stage], ms) : stage_ms[job.stage] + ms;
     }
     std::vector<double> cost(layers_.size());
     for (size_t s = 0; s < stages_.size(); ++s) {

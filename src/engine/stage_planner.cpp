@@ -25,8 +25,7 @@ namespace {
 double working_set(const PlanRequest &r, double sum, double max, bool last) {
     if (r.use == StageUse::Inference)
         return r.tokens * 0.5 * max;
-    const bool keeps_graph =
-        (r.use == StageUse::Fused && last) || r.grain == RecomputeGrain::Stage;
+    const bool keeps_graph = (r.use == StageUse::Fused && last) || r.grain == RecomputeGrain::Stage;
     return r.tokens * (keeps_graph ? sum + 0.5 * max : 1.5 * max + (sum - max) / 16.0);
 }
 

@@ -28,12 +28,12 @@ enum class StageUse {
 };
 
 struct PlanRequest {
-    std::vector<double> costs;            // per layer, estimated or measured
-    std::vector<LayerFootprint> layers;   // per layer
+    std::vector<double> costs;          // per layer, estimated or measured
+    std::vector<LayerFootprint> layers; // per layer
     size_t min_stages = 1;
-    double max_stage_weight_bytes = 0;    // fixed bytes of a stage; <= 0: no limit
-    double max_stage_bytes = 0;           // fixed bytes plus activations; <= 0: no limit
-    double tokens = 0;                    // tokens of the largest microbatch of the call
+    double max_stage_weight_bytes = 0; // fixed bytes of a stage; <= 0: no limit
+    double max_stage_bytes = 0;        // fixed bytes plus activations; <= 0: no limit
+    double tokens = 0;                 // tokens of the largest microbatch of the call
     RecomputeGrain grain = RecomputeGrain::Stage;
     StageUse use = StageUse::Fused;
 };

@@ -139,7 +139,8 @@ CallerLayer::CallerLayer(std::string type_name, std::vector<ParamSpec> params,
 double CallerLayer::cost_estimate() const { return cost_ >= 0 ? cost_ : Layer::cost_estimate(); }
 
 double CallerLayer::activation_bytes_per_token(double dtype_bytes) const {
-    return activation_bytes_ >= 0 ? activation_bytes_ : Layer::activation_bytes_per_token(dtype_bytes);
+    return activation_bytes_ >= 0 ? activation_bytes_
+                                  : Layer::activation_bytes_per_token(dtype_bytes);
 }
 
 at::Tensor CallerLayer::forward(const std::vector<at::Tensor> &params, const at::Tensor &x,
