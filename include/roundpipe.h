@@ -389,9 +389,14 @@ RP_API rp_status rp_model_options_set_run_config(rp_model_options *options,
  * memory among its GPUs at creation). The planner makes every stage's weights and gradients fit
  * in a third of it, since a GPU holds two stages' weights and one stage's gradients at once and
  * activations and library workspaces (cuBLAS keeps about 32 MiB per stream) need the rest; a
- * layer too large for that fails rp_model_create. An explicit cap
+ * layer too large for that fails rp_model_create. Activations count too: each training call is
+ * planned for the tokens of its microbatches (plans are cached per call shape), so that a stage's
+ * weights, gradients, workspaces and the activations it keeps (the fused tail's, or a backward
+ * stage's recompute working set at the call's recompute grain) fit in three quarters of the cap;
+ * long sequences get shorter stages and a shorter tail. An explicit cap
  * is enforced through libtorch's per-process memory fraction of each GPU (it applies to the
- * whole process): going over it fails with RP_ERR_OUT_OF_MEMORY. Ignored on CPU devices.
+ * whole process): going over it fails with RP_ERR_OUT_OF_MEMORY. On CPU devices nothing is
+ * capped, but an explicit cap still shapes the plan, so plans can be previewed without a GPU.
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (negative). */
 RP_API rp_status rp_model_options_set_gpu_memory_cap(rp_model_options *options, int64_t bytes);
 
@@ -469,8 +474,11 @@ RP_API rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
 RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
 
 /**
- * The current stage plan (after the re-plan the first GPU training call makes from measured
- * times): stage s holds the next `out_layers_per_stage[s]` layers of the layer list.
+ * The stage plan of the last call (after the re-plan the first GPU training call makes from
+ * measured times; before any call, the plan for weights alone): stage s holds the next
+ * `out_layers_per_stage[s]` layers of the layer list. Under a memory cap the plan depends on
+ * the call's tokens per microbatch, recompute grain and kind (see
+ * rp_model_options_set_gpu_memory_cap).
  * @param out_layers_per_stage up to `capacity` counts are written (may be NULL when capacity
  *        is 0).
  * @param out_num_stages receives the number of stages (also when it exceeds `capacity`).
@@ -727,6 +735,17 @@ RP_API rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name,
  * parameter count plus a constant, as for built-in layers). @return RP_OK or
  * RP_ERR_INVALID_ARGUMENT (NULL, negative or non-finite). */
 RP_API rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);
+
+/** Device bytes the layer's forward with gradients keeps for its backward, per token of the
+ * microbatch (each element of an integer input 0, else each row along the last dimension of
+ * input 0), in the model dtype. Under a GPU memory cap the planner multiplies it by the tokens
+ * of a call's microbatches to size the fused tail and the recompute working sets (see
+ * rp_model_options_set_gpu_memory_cap). Default: four times the model-dtype bytes of the
+ * summed input widths (last dimensions) of the layer's matrices; for a layer without matrices,
+ * four times its widest vector parameter; for one without parameters, the figure of the layer
+ * before. @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL, negative or non-finite).
+ * Thread: any thread, before rp_model_create_with_layers takes the definition. */
+RP_API rp_status rp_layer_def_set_activation_bytes(rp_layer_def *def, double bytes_per_token);
 
 /**
  * The scalar facts of a callback invocation; any out-parameter may be NULL.

@@ -122,6 +122,15 @@ rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost) {
     });
 }
 
+rp_status rp_layer_def_set_activation_bytes(rp_layer_def *def, double bytes_per_token) {
+    return guard([&] {
+        require_arg(def, "def is NULL");
+        require(std::isfinite(bytes_per_token) && bytes_per_token >= 0,
+                "activation bytes per token must be finite and >= 0");
+        def->activation_bytes = bytes_per_token;
+    });
+}
+
 rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type, int32_t *out_device_id,
                              void **out_stream, uint64_t *out_seed, int32_t *out_microbatch,
                              int32_t *out_training, const rp_layer_call *call) {

@@ -96,7 +96,8 @@ std::unique_ptr<Layer> make_caller_layer(const rp_layer_def &def) {
         };
     if (release)
         cb.release = [release, user_data](void *context) { release(context, user_data); };
-    return std::make_unique<CallerLayer>(def.type_name, def.params, std::move(cb), def.cost);
+    return std::make_unique<CallerLayer>(def.type_name, def.params, std::move(cb), def.cost,
+                                         def.activation_bytes);
 }
 
 DeviceLossCallback make_device_loss_callback(rp_device_loss_fn fn, void *user_data) {

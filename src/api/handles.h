@@ -43,6 +43,7 @@ struct rp_layer_def {
     void *user_data = nullptr;
     std::vector<rp::ParamSpec> params; // parameters and buffers, in declaration order
     double cost = -1.0;                // < 0: the default estimate
+    double activation_bytes = -1.0;    // per token; < 0: the default estimate
 };
 
 struct rp_optimizer {

@@ -2,6 +2,7 @@
 // the engine decides where weights live (host store, device copies) and one layer object can
 // run on every device at once.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -118,6 +119,29 @@ class Layer {
     virtual void grant_workspace(double bytes, at::ScalarType compute_dtype) {
         (void)bytes;
         (void)compute_dtype;
+    }
+
+    // Device bytes a forward with gradients keeps for backward, per token of the microbatch (a
+    // token: each element of an integer input 0, each row along the last dimension of a
+    // floating one; Model::tokens_per_microbatch), for activations of `dtype_bytes` bytes per
+    // element. The planner multiplies it by the tokens of the microbatch in flight to size the
+    // fused tail and the recompute working sets under the GPU memory cap.
+    // < 0: unknown; the planner takes the figure of the layer before (a parameter-free layer
+    // keeps about what its neighbour does). The default guesses from the parameters: a layer
+    // keeps at least the input of each of its matrix products (a matrix's last dimension), and
+    // four times that covers the intermediates around them (the decoder layer, counted
+    // exactly, keeps 3.4 times); a layer with only vectors (a norm) four times their width.
+    virtual double activation_bytes_per_token(double dtype_bytes) const {
+        double inputs = 0, widest_vector = 0;
+        for (const ParamSpec &spec : params_) {
+            if (spec.shape.size() >= 2)
+                inputs += static_cast<double>(spec.shape.back());
+            else if (spec.shape.size() == 1)
+                widest_vector = std::max(widest_vector, static_cast<double>(spec.shape[0]));
+        }
+        if (inputs == 0 && widest_vector == 0)
+            return -1.0;
+        return 4.0 * dtype_bytes * (inputs > 0 ? inputs : widest_vector);
     }
 
     // Integer values of its input that this layer uses as row indices must lie in

@@ -70,11 +70,23 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
                 limit_gpu_memory(pipeline_.device(d).index(), gpu_memory_cap_);
         }
     }
-    grant_workspaces();
-    std::vector<double> cost;
-    for (const auto &l : layers_)
-        cost.push_back(l->cost_estimate());
-    stages_ = plan_stages(cost);
+    plan_cap_ = static_cast<double>(has_cuda_devices() ? gpu_memory_cap_ : o.gpu_memory_cap);
+    grant_workspaces(); // before the footprints: a workspace may be sized to its grant
+    // A layer's fixed device footprint: its weights and their gradients in the model dtype, plus
+    // its own workspace; its activations per token in the model dtype (unknown: as the layer
+    // before).
+    const double dtype_bytes = static_cast<double>(c10::elementSize(store_.model_dtype()));
+    double previous_activation = 0;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        LayerFootprint f;
+        f.fixed_bytes = layer_param_bytes(l) + layers_[l]->workspace_bytes();
+        double a = layers_[l]->activation_bytes_per_token(dtype_bytes);
+        f.activation_bytes_per_token = a >= 0 ? a : previous_activation;
+        previous_activation = f.activation_bytes_per_token;
+        footprints_.push_back(f);
+        layer_costs_.push_back(layers_[l]->cost_estimate());
+    }
+    stages_ = make_plan(0, RecomputeGrain::Stage, StageUse::Fused);
     log(LogLevel::Info, name_ + ": " + std::to_string(layers_.size()) + " layers, " +
                             std::to_string(store_.size()) + " parameters tensors, " +
                             std::to_string(stages_.size()) + " stages on " +
@@ -89,13 +101,6 @@ Model::~Model() {
     }
 }
 
-// A GPU holds two stages' weights (one computing, one arriving) and one stage's gradients and
-// needs room for activations: a stage may use a third of the cap, which keeps it well within
-// the half that two resident stages allow. 0: no limit (CPU devices).
-double Model::stage_memory_limit() const {
-    return has_cuda_devices() ? gpu_memory_cap_ / 3.0 : 0.0;
-}
-
 // A layer's weights and their gradients in the model dtype.
 double Model::layer_param_bytes(size_t layer) const {
     double bytes = 0.0;
@@ -105,11 +110,12 @@ double Model::layer_param_bytes(size_t layer) const {
 }
 
 void Model::grant_workspaces() {
-    // A layer's workspace may take half of what a stage may use, less the layer's own weights
-    // and gradients: the layer then fits a stage, and the stage keeps room for other layers.
-    // (The LM head of Qwen3-1.7B under a 10 GiB cap: 1.67 GiB, 1.16 of them its fp32 gradient
-    // accumulator, the rest ~1,800 tokens of bf16 logits.)
-    const double limit = stage_memory_limit();
+    // A stage's weights, gradients and workspaces may use a third of the cap (make_plan). A
+    // layer's workspace may take half of that, less the layer's own weights and gradients: the
+    // layer then fits a stage, and the stage keeps room for other layers. (The LM head of
+    // Qwen3-1.7B under a 10 GiB cap: 1.67 GiB, 1.16 of them its fp32 gradient accumulator, the
+    // rest ~1,800 tokens of bf16 logits.) No cap: no limit.
+    const double limit = plan_cap_ / 3.0;
     for (size_t l = 0; l < layers_.size(); ++l) {
         double grant = std::numeric_limits<double>::infinity();
         if (limit > 0)
@@ -118,31 +124,106 @@ void Model::grant_workspaces() {
     }
 }
 
-std::vector<Stage> Model::plan_stages(const std::vector<double> &layer_costs) const {
+std::vector<Stage> Model::make_plan(int64_t tokens, RecomputeGrain grain, StageUse use) const {
     if (!explicit_plan_.empty())
         return plan_explicit(explicit_plan_, layers_.size());
-    // A stage's device footprint: its weights and their gradients, plus the layers' own
-    // workspaces (within their grants, see grant_workspaces).
-    std::vector<double> bytes(layers_.size(), 0.0);
-    for (size_t l = 0; l < layers_.size(); ++l)
-        bytes[l] = layer_param_bytes(l) + layers_[l]->workspace_bytes();
+    PlanRequest r;
+    r.costs = layer_costs_;
+    r.layers = footprints_;
     // Two stages per device keeps every device busy with the fused schedule while each stage
     // stays large enough to amortise its hand-offs. Memory-saving mode wants at least eight: a
     // stage goes up only once the step has updated all of it, so the smaller the first stages
     // the sooner the next call's forward can follow the optimizer through the model.
     const size_t min_stages = store_.saving() ? 8 : 2;
-    return plan_balanced(layer_costs, bytes, std::max<size_t>(min_stages, 2 * num_devices()),
-                         stage_memory_limit());
+    r.min_stages = std::max<size_t>(min_stages, 2 * num_devices());
+    // A GPU holds two stages' weights (one computing, one arriving) and one stage's gradients:
+    // a stage's fixed bytes may use a third of the cap, which keeps them well within the half
+    // that two resident stages allow. While a stage computes, its fixed bytes and activations
+    // share the cap with the next stage's arriving weights (at most a sixth of it) and the
+    // transfers in flight and allocator slack (a twelfth): a stage may use three quarters.
+    r.max_stage_weight_bytes = plan_cap_ / 3.0;
+    r.max_stage_bytes = plan_cap_ * 0.75;
+    r.tokens = static_cast<double>(tokens);
+    r.grain = grain;
+    r.use = use;
+    std::vector<Stage> stages = plan_balanced(r);
+    if (plan_cap_ > 0 && tokens > 0) {
+        double worst = 0;
+        size_t worst_stage = 0;
+        for (size_t s = 0; s < stages.size(); ++s) {
+            double b = stage_footprint(r, stages[s].first_layer, stages[s].end_layer);
+            if (b > worst) {
+                worst = b;
+                worst_stage = s;
+            }
+        }
+        if (worst > r.max_stage_bytes)
+            log(LogLevel::Warn,
+                name_ + ": at " + std::to_string(tokens) + " tokens per microbatch, stage " +
+                    std::to_string(worst_stage) + " (layer " +
+                    std::to_string(stages[worst_stage].first_layer) + ") is estimated to need " +
+                    std::to_string(worst / 1073741824.0) + " GiB, more than the " +
+                    std::to_string(r.max_stage_bytes / 1073741824.0) +
+                    " GiB a stage may use under the GPU memory cap; use more microbatches "
+                    "(fewer tokens each) or a higher cap");
+    }
+    return stages;
+}
+
+int64_t Model::tokens_per_microbatch(const Microbatches &mb) {
+    int64_t most = 0;
+    for (const auto &inputs : mb.inputs) {
+        if (inputs.empty() || !inputs[0].defined())
+            continue;
+        const at::Tensor &x = inputs[0];
+        int64_t tokens = x.numel();
+        if (at::isFloatingType(x.scalar_type()) && x.dim() >= 2 && x.size(-1) > 0)
+            tokens /= x.size(-1);
+        most = std::max(most, tokens);
+    }
+    return most;
+}
+
+const std::vector<Stage> &Model::plan_call(int64_t tokens, RecomputeGrain grain, StageUse use) {
+    // Without a cap (CPU devices) or with an explicit plan, activations change nothing: one plan.
+    if (plan_cap_ <= 0 || !explicit_plan_.empty())
+        tokens = 0;
+    if (use == StageUse::Inference)
+        grain = RecomputeGrain::Stage;
+    PlanKey key{tokens, static_cast<int>(grain), static_cast<int>(use)};
+    auto found = plans_.find(key);
+    if (found == plans_.end()) {
+        if (plans_.size() >= 64)
+            plans_.clear(); // bounded: a loop over ever-new shapes re-plans, never grows
+        found = plans_.emplace(key, make_plan(tokens, grain, use)).first;
+        if (tokens > 0)
+            log(LogLevel::Info, name_ + ": " + std::to_string(found->second.size()) +
+                                    " stages for " + std::to_string(tokens) +
+                                    " tokens per microbatch");
+    }
+    last_plan_key_ = key;
+    stages_ = found->second;
+    return stages_;
 }
 
 void Model::replan_from_trace() {
     // Spread each stage's measured compute time over its layers in proportion to their
     // estimates, then re-balance with the same memory limit: layers the estimate got wrong move.
+    // One GPU runs the jobs of a call one after another: a stage weighs the sum of its jobs.
+    // On several GPUs jobs of different stages overlap and the longest job paces the pipeline,
+    // so a stage weighs its longest job: the tail's (forward and backward of its layers without
+    // recompute) against a backward job's (recompute and backward). In a sum the tail's layers
+    // look cheaper (no recompute, no forward job) and the tail would grow into the slowest job.
+    const bool several = num_devices() > 1;
     std::vector<double> stage_ms(stages_.size(), 0.0);
-    for (const JobTrace &job : pipeline_.last_trace())
+    for (const JobTrace &job : pipeline_.last_trace()) {
+        double ms = 0;
         for (const TraceSpan &span : job.spans)
             if (span.what == "compute")
-                stage_ms[job.stage] += span.end_ms - span.start_ms;
+                ms += span.end_ms - span.start_ms;
+        stage_ms[job.stage] =
+            several ? std::max(stage_ms[job.stage], ms) : stage_ms[job.stage] + ms;
+    }
     std::vector<double> cost(layers_.size());
     for (size_t s = 0; s < stages_.size(); ++s) {
         double estimate = 0;
@@ -151,7 +232,12 @@ void Model::replan_from_trace() {
         for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
             cost[l] = stage_ms[s] * layers_[l]->cost_estimate() / estimate;
     }
-    stages_ = plan_stages(cost);
+    layer_costs_ = std::move(cost);
+    plans_.clear();
+    stages_ = make_plan(std::get<0>(last_plan_key_),
+                        static_cast<RecomputeGrain>(std::get<1>(last_plan_key_)),
+                        static_cast<StageUse>(std::get<2>(last_plan_key_)));
+    plans_.emplace(last_plan_key_, stages_);
     log(LogLevel::Info, name_ + ": re-planned from measured stage times: " +
                             std::to_string(stages_.size()) + " stages");
 }
@@ -279,6 +365,7 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
     Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
     for (const auto &mb_inputs : mb.inputs)
         check_shapes_once(mb_inputs, at::Tensor(), nullptr);
+    plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Inference);
     CallContext ctx{layers_, stages_, store_, mb};
     ctx.seed = seed_;
     ctx.training = false;
@@ -307,6 +394,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     const double scale = scaler_.enabled() ? scaler_.scale() : 1.0;
     Loss scaled = loss;
     scaled.scale *= scale;
+    plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Fused);
     CallContext ctx{layers_, stages_, store_, mb};
     ctx.seed = seed_;
     ctx.call_index = training_calls_++;
@@ -381,7 +469,8 @@ std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inpu
     pending->grain = cfg.grain;
     pending->merged = cfg.merge_output;
     pending->step = enqueued_;
-    CallContext ctx{layers_, stages_, store_, pending->microbatches};
+    pending->stages = plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Split);
+    CallContext ctx{layers_, pending->stages, store_, pending->microbatches};
     ctx.seed = seed_;
     ctx.call_index = pending->call_index;
     ctx.training = true;
@@ -475,7 +564,8 @@ void Model::backward(const std::vector<at::Tensor> &output_grads) {
         for (at::Tensor &g : t.tensors)
             if (g.defined() && scale != 1.0)
                 g = g * scale;
-    CallContext ctx{layers_, stages_, store_, p->microbatches};
+    stages_ = p->stages;
+    CallContext ctx{layers_, p->stages, store_, p->microbatches};
     ctx.seed = seed_;
     ctx.call_index = p->call_index;
     ctx.training = true;

@@ -2,6 +2,8 @@
 // thread, and the training-loop semantics that tie them (docs/semantics.md).
 #pragma once
 #include <atomic>
+#include <map>
+#include <tuple>
 #include <memory>
 #include <unordered_set>
 #include <string>
@@ -36,7 +38,9 @@ struct ModelOptions {
     DeviceKind device_kind = DeviceKind::Auto;
     int num_devices = 0; // 0: all GPUs, or one CPU device
     std::vector<int> stage_plan; // empty: automatic
-    // GPU memory a model may use per GPU; 0: 80% of the smallest free memory at creation.
+    // GPU memory a model may use per GPU; 0: 80% of the smallest free memory at creation. On CPU
+    // devices nothing is capped, but an explicit cap still shapes the plan (plans can be
+    // previewed and tested without a GPU).
     int64_t gpu_memory_cap = 0;
     // Dynamic loss scaling: initial scale (0: off; negative: the default, 65536 for fp16 models
     // and off otherwise) and the number of good steps between doublings.
@@ -95,8 +99,13 @@ class Model {
     const ParamStore &params() const { return store_; }
     size_t num_layers() const { return layers_.size(); }
     size_t num_stages() const { return stages_.size(); }
-    // Layers per stage of the current plan.
+    // Layers per stage of the plan of the last call (before any call: the plan for weights
+    // alone).
     std::vector<int> stage_plan() const;
+    // Tokens of the largest microbatch: what Layer::activation_bytes_per_token is per. Input 0
+    // decides: each element of an integer tensor (token ids) is a token; a floating tensor has
+    // one per row along its last dimension.
+    static int64_t tokens_per_microbatch(const Microbatches &mb);
     // The model's run configuration overlaid by `call`, defaults filled in, output device checked.
     ResolvedRunConfig resolve_run_config(const RunConfig &call) const;
     size_t num_devices() const { return pipeline_.num_devices(); }
@@ -126,6 +135,7 @@ class Model {
         std::vector<std::vector<std::vector<int64_t>>> output_shapes; // [mb][output]
         uint64_t call_index = 0; // dropout masks of the recompute match the forward's
         RecomputeGrain grain = RecomputeGrain::Stage;
+        std::vector<Stage> stages; // the forward's plan: its stage inputs are kept per stage
         bool merged = true;
         int64_t step = 0; // steps enqueued at the forward
     };
@@ -144,10 +154,11 @@ class Model {
     void gate_call(CallContext &ctx) const;
     void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                            const Loss *loss);
-    std::vector<Stage> plan_stages(const std::vector<double> &layer_costs) const;
-    double stage_memory_limit() const;
     double layer_param_bytes(size_t layer) const;
     void grant_workspaces();
+    // The plan for a call of `tokens` per microbatch (cached by call shape); becomes stages_.
+    const std::vector<Stage> &plan_call(int64_t tokens, RecomputeGrain grain, StageUse use);
+    std::vector<Stage> make_plan(int64_t tokens, RecomputeGrain grain, StageUse use) const;
     void replan_from_trace();
     void rethrow_step_error();
 
@@ -155,9 +166,15 @@ class Model {
     uint64_t seed_;
     std::vector<std::unique_ptr<Layer>> layers_;
     ParamStore store_;
-    std::vector<Stage> stages_;
+    std::vector<Stage> stages_; // the plan of the last call
     std::vector<int> explicit_plan_;
     int64_t gpu_memory_cap_ = 0;
+    double plan_cap_ = 0; // bytes the planner fits a device's stages into; 0: no limit
+    std::vector<double> layer_costs_; // estimated, then measured by the first GPU training call
+    std::vector<LayerFootprint> footprints_;
+    using PlanKey = std::tuple<int64_t, int, int>; // tokens per microbatch, grain, use
+    std::map<PlanKey, std::vector<Stage>> plans_;
+    PlanKey last_plan_key_{0, 0, static_cast<int>(StageUse::Fused)};
     bool replanned_ = false;
     std::unordered_set<std::string> checked_shapes_; // input signatures that passed check_shapes
     RunConfig run_config_;

@@ -2,6 +2,8 @@
 #pragma once
 #include <vector>
 
+#include "engine/run_config.h"
+
 namespace rp {
 
 struct Stage {
@@ -9,13 +11,45 @@ struct Stage {
     size_t end_layer;   // exclusive
 };
 
+// What the planner knows of one layer's device memory.
+struct LayerFootprint {
+    // Weights and their gradients in the model dtype, plus the layer's own workspace.
+    double fixed_bytes = 0;
+    // Activations a forward with gradients keeps for backward, per token of the microbatch
+    // (Layer::activation_bytes_per_token).
+    double activation_bytes_per_token = 0;
+};
+
+// Which call the stages serve: it decides what a stage keeps of its activations.
+enum class StageUse {
+    Inference, // forward without gradients: one layer's intermediates at a time
+    Fused,     // forward stages, the fused tail (no recompute), backward stages (recompute)
+    Split,     // a training forward now, its backward later: every stage is recomputed
+};
+
+struct PlanRequest {
+    std::vector<double> costs;          // per layer, estimated or measured
+    std::vector<LayerFootprint> layers; // per layer
+    size_t min_stages = 1;
+    double max_stage_weight_bytes = 0; // fixed bytes of a stage; <= 0: no limit
+    double max_stage_bytes = 0;        // fixed bytes plus activations; <= 0: no limit
+    double tokens = 0;                 // tokens of the largest microbatch of the call
+    RecomputeGrain grain = RecomputeGrain::Stage;
+    StageUse use = StageUse::Fused;
+};
+
+// Device bytes stage [first, end) of a plan over `r.layers` needs while it computes: its fixed
+// bytes and the activation working set of its worst job for `r.tokens` tokens (see
+// stage_planner.cpp for the model). `end == r.layers.size()` is the last stage (the fused tail).
+double stage_footprint(const PlanRequest &r, size_t first, size_t end);
+
 // Splits layers into at least `min_stages` contiguous non-empty stages minimising the most
-// expensive stage (exact, by dynamic programming over the prefix sums), where no stage's memory
-// (sum of `layer_bytes`) exceeds `max_stage_bytes` (<= 0: no limit). More stages are used when
-// the memory limit needs them. Throws InvalidArgument when a single layer exceeds the limit.
-std::vector<Stage> plan_balanced(const std::vector<double> &layer_costs,
-                                 const std::vector<double> &layer_bytes, size_t min_stages,
-                                 double max_stage_bytes);
+// expensive stage (exact, by dynamic programming over the prefix sums), where no stage's fixed
+// bytes exceed `max_stage_weight_bytes` and no stage's footprint exceeds `max_stage_bytes`
+// (a layer over the latter alone still gets a stage of its own: the estimate is an estimate,
+// and the allocator has the last word). More stages are used when memory needs them. Throws
+// InvalidArgument when a single layer's fixed bytes exceed their limit.
+std::vector<Stage> plan_balanced(const PlanRequest &r);
 
 // Stages from explicit sizes; throws InvalidArgument unless they are positive and cover every
 // layer exactly.

@@ -130,12 +130,18 @@ struct CallerFunction : public torch::autograd::Function<CallerFunction> {
 } // namespace
 
 CallerLayer::CallerLayer(std::string type_name, std::vector<ParamSpec> params,
-                         CallerCallbacks callbacks, double cost)
-    : type_(std::move(type_name)), callbacks_(std::move(callbacks)), cost_(cost) {
+                         CallerCallbacks callbacks, double cost, double activation_bytes)
+    : type_(std::move(type_name)), callbacks_(std::move(callbacks)), cost_(cost),
+      activation_bytes_(activation_bytes) {
     params_ = std::move(params);
 }
 
 double CallerLayer::cost_estimate() const { return cost_ >= 0 ? cost_ : Layer::cost_estimate(); }
+
+double CallerLayer::activation_bytes_per_token(double dtype_bytes) const {
+    return activation_bytes_ >= 0 ? activation_bytes_
+                                  : Layer::activation_bytes_per_token(dtype_bytes);
+}
 
 at::Tensor CallerLayer::forward(const std::vector<at::Tensor> &params, const at::Tensor &x,
                                 const LayerContext &ctx) const {

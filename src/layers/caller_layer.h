@@ -30,10 +30,10 @@ struct CallerCallbacks {
 
 class CallerLayer : public Layer {
   public:
-    // `params` in declaration order, parameters and buffers interleaved as declared; `cost` < 0:
-    // the default estimate.
+    // `params` in declaration order, parameters and buffers interleaved as declared; `cost` and
+    // `activation_bytes` (per token, in the model dtype) < 0: the default estimates.
     CallerLayer(std::string type_name, std::vector<ParamSpec> params, CallerCallbacks callbacks,
-                double cost);
+                double cost, double activation_bytes = -1.0);
 
     std::string type() const override { return type_; }
     at::Tensor forward(const std::vector<at::Tensor> &params, const at::Tensor &x,
@@ -44,11 +44,13 @@ class CallerLayer : public Layer {
     bool takes_all_call_inputs() const override { return true; }
     bool shape_checkable() const override { return false; }
     double cost_estimate() const override;
+    double activation_bytes_per_token(double dtype_bytes) const override;
 
   private:
     std::string type_;
     CallerCallbacks callbacks_;
     double cost_;
+    double activation_bytes_;
 };
 
 } // namespace rp

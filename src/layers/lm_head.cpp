@@ -109,6 +109,11 @@ class LmHead final : public Layer {
                static_cast<double>(chunk_for(compute_dtype_)) * token_bytes(compute_dtype_);
     }
     int64_t vocab() const { return vocab_; }
+    // The fused loss keeps the gradient of its input and the int64 targets; without labels it
+    // keeps its input, the same size.
+    double activation_bytes_per_token(double dtype_bytes) const override {
+        return dtype_bytes * static_cast<double>(dim_) + 8.0;
+    }
 
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
                        const LayerContext &ctx) const override {

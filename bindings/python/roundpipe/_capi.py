@@ -445,6 +445,7 @@ def _declare_layers(fn):
     fn("rp_layer_def_add_buffer", st,
        [rp_layer_def_p, c_char_p, c_void_p])                         # rp_status rp_layer_def_add_buffer(rp_layer_def *def, const char *name, const DLManagedTensor *initial);
     fn("rp_layer_def_set_cost", st, [rp_layer_def_p, c_double])      # rp_status rp_layer_def_set_cost(rp_layer_def *def, double cost);
+    fn("rp_layer_def_set_activation_bytes", st, [rp_layer_def_p, c_double])  # rp_status rp_layer_def_set_activation_bytes(rp_layer_def *def, double bytes_per_token);
     fn("rp_layer_call_info", st,
        [P(c_int32), P(c_int32), P(c_int32), P(c_void_p), P(c_uint64), P(c_int32), P(c_int32),
         c_void_p])                                                   # rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type, int32_t *out_device_id, void **out_stream, uint64_t *out_seed, int32_t *out_microbatch, int32_t *out_training, const rp_layer_call *call);

@@ -603,6 +603,12 @@ rp_layer_def_set_cost(def, cost) =
           (Ptr{rp_layer_def}, Cdouble),
           def, cost)
 
+# rp_status rp_layer_def_set_activation_bytes(rp_layer_def *def, double bytes_per_token);
+rp_layer_def_set_activation_bytes(def, bytes_per_token) =
+    ccall((:rp_layer_def_set_activation_bytes, libroundpipe()), rp_status,
+          (Ptr{rp_layer_def}, Cdouble),
+          def, bytes_per_token)
+
 # rp_status rp_layer_call_info(int32_t *out_phase, int32_t *out_device_type, int32_t *out_device_id, void **out_stream, uint64_t *out_seed, int32_t *out_microbatch, int32_t *out_training, const rp_layer_call *call);
 rp_layer_call_info(out_phase, out_device_type, out_device_id, out_stream, out_seed, out_microbatch,
                    out_training, call) =

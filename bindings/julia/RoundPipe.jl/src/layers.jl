@@ -139,6 +139,12 @@ function set_cost!(d::LayerDef, cost::Real)
     return d
 end
 
+"Device bytes per token the layer keeps for backward (model dtype); sizes stages under a cap."
+function set_activation_bytes!(d::LayerDef, bytes_per_token::Real)
+    @check L.rp_layer_def_set_activation_bytes(_ptr(d), Float64(bytes_per_token))
+    return d
+end
+
 # Contexts: stored under a nonzero key, which is what the engine holds as the C context.
 function _keep_context!(d::LayerDef, ctx)
     lock(d.lock) do

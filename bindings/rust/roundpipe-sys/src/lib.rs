@@ -488,6 +488,10 @@ extern "C" {
         initial: *const DLManagedTensor,
     ) -> rp_status;
     pub fn rp_layer_def_set_cost(def: *mut rp_layer_def, cost: c_double) -> rp_status;
+    pub fn rp_layer_def_set_activation_bytes(
+        def: *mut rp_layer_def,
+        bytes_per_token: c_double,
+    ) -> rp_status;
     pub fn rp_layer_call_info(
         out_phase: *mut i32,
         out_device_type: *mut i32,

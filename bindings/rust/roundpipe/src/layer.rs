@@ -552,6 +552,16 @@ impl LayerDef {
         Ok(self)
     }
 
+    /// Device bytes the layer's forward with gradients keeps for backward, per token, in the
+    /// model dtype (rp_layer_def_set_activation_bytes): the planner sizes stages with it under
+    /// a GPU memory cap.
+    pub fn set_activation_bytes(&mut self, bytes_per_token: f64) -> Result<&mut Self> {
+        check(unsafe {
+            sys::rp_layer_def_set_activation_bytes(self.ptr.as_ptr(), bytes_per_token)
+        })?;
+        Ok(self)
+    }
+
     /// Relative cost of the layer for the stage planner.
     pub fn set_cost(&mut self, cost: f64) -> Result<&mut Self> {
         check(unsafe { sys::rp_layer_def_set_cost(self.ptr.as_ptr(), cost) })?;
