@@ -963,6 +963,35 @@ RP_API rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double w
 RP_API rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum);
 
 /**
+ * One Adam update of caller-owned tensors with the engine's CPU kernel (the one rp_step runs for
+ * RP_OPTIMIZER_ADAMW), for optimizers whose state lives outside a model (Python's
+ * roundpipe.optim.Adam inside a step callback). Stateless: the caller keeps the moments and the
+ * step counts. Entry i computes what torch.optim.Adam computes for one parameter at step
+ * `steps[i]` (fp32 rounding aside): with `decoupled_weight_decay` 1 the weight is first scaled
+ * by 1 - lr * weight_decay (torch.optim.AdamW); with 0 the moments see grad + weight_decay *
+ * param (torch.optim.Adam's default L2; the gradient tensor is not modified). Every argument is
+ * checked before anything is written: on error no tensor has changed.
+ * @param params, exp_avgs, exp_avg_sqs n_tensors borrowed tensors, updated in place.
+ * @param grads n_tensors borrowed tensors, read only (they may share memory with each other).
+ *        Every tensor: float32, contiguous, in host memory (kDLCPU or kDLCUDAHost); the four of
+ *        entry i of one shape; no updated tensor overlapping any other tensor of the call.
+ * @param steps n_tensors 1-based update numbers (bias correction), each >= 1.
+ * @param n_tensors 0 (nothing to do) .. 2^24.
+ * @param lr finite, >= 0. @param beta1, beta2 each in [0, 1). @param eps finite, >= 0.
+ * @param weight_decay finite, >= 0. @param decoupled_weight_decay 0 or 1.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT naming the first bad argument or entry.
+ * Thread: any thread; tensors may not be used by another thread during the call. The kernel
+ * splits each tensor over the calling thread's OpenMP threads: on a model's optimizer thread
+ * (inside a step callback) RP_OPTIMIZER_THREADS applies, as for rp_step.
+ */
+RP_API rp_status rp_adam_apply(DLManagedTensor *const *params,
+                               const DLManagedTensor *const *grads,
+                               DLManagedTensor *const *exp_avgs,
+                               DLManagedTensor *const *exp_avg_sqs, const int64_t *steps,
+                               size_t n_tensors, double lr, double beta1, double beta2,
+                               double eps, double weight_decay, int32_t decoupled_weight_decay);
+
+/**
  * Apply one optimizer step to the gradients accumulated since the previous step, then start
  * accumulating afresh. The settings are copied at the call.
  * Asynchronous (`is_async` != 0, recommended): returns at once; the step runs on the optimizer

@@ -391,6 +391,9 @@ def _declare_calls(fn):
        [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double weight_decay);
     fn("rp_optimizer_set_momentum", st,
        [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum);
+    fn("rp_adam_apply", st,
+       [P(c_void_p), P(c_void_p), P(c_void_p), P(c_void_p), P(c_int64), c_size_t, c_double,
+        c_double, c_double, c_double, c_double, c_int32])             # rp_status rp_adam_apply(DLManagedTensor *const *params, const DLManagedTensor *const *grads, DLManagedTensor *const *exp_avgs, DLManagedTensor *const *exp_avg_sqs, const int64_t *steps, size_t n_tensors, double lr, double beta1, double beta2, double eps, double weight_decay, int32_t decoupled_weight_decay);
     fn("rp_step", st, [rp_model_p, rp_optimizer_p, c_int32])         # rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
     fn("rp_step_callback", st,
        [rp_model_p, rp_step_fn, c_void_p, c_int32])                  # rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int32_t is_async);

@@ -720,6 +720,16 @@ rp_optimizer_set_momentum(optimizer, momentum) =
           (Ptr{rp_optimizer}, Cdouble),
           optimizer, momentum)
 
+# rp_status rp_adam_apply(DLManagedTensor *const *params, const DLManagedTensor *const *grads, DLManagedTensor *const *exp_avgs, DLManagedTensor *const *exp_avg_sqs, const int64_t *steps, size_t n_tensors, double lr, double beta1, double beta2, double eps, double weight_decay, int32_t decoupled_weight_decay);
+rp_adam_apply(params, grads, exp_avgs, exp_avg_sqs, steps, n_tensors, lr, beta1, beta2, eps,
+              weight_decay, decoupled_weight_decay) =
+    ccall((:rp_adam_apply, libroundpipe()), rp_status,
+          (Ptr{Ptr{DLManagedTensor}}, Ptr{Ptr{DLManagedTensor}}, Ptr{Ptr{DLManagedTensor}},
+           Ptr{Ptr{DLManagedTensor}}, Ptr{Int64}, Csize_t, Cdouble, Cdouble, Cdouble, Cdouble,
+           Cdouble, Int32),
+          params, grads, exp_avgs, exp_avg_sqs, steps, n_tensors, lr, beta1, beta2, eps,
+          weight_decay, decoupled_weight_decay)
+
 # rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
 rp_step(model, optimizer, is_async) =
     ccall((:rp_step, libroundpipe()), rp_status,

@@ -36,7 +36,7 @@ using .LibRoundPipe
 const L = LibRoundPipe
 
 export Model, RunConfig, Loss, Optimizer, RoundPipeError, StepContext
-export forward, forward_backward, step!, synchronize!, zero_grad!
+export forward, forward_backward, step!, synchronize!, zero_grad!, adam_apply!
 export num_layers, num_stages, num_devices, step_count, host_state_bytes, trace_json
 export nonfinite_counts
 export stage_plan, resolve_run_config, split_microbatches

@@ -574,6 +574,20 @@ extern "C" {
     ) -> rp_status;
     pub fn rp_optimizer_set_momentum(optimizer: *mut rp_optimizer, momentum: c_double)
         -> rp_status;
+    pub fn rp_adam_apply(
+        params: *const *mut DLManagedTensor,
+        grads: *const *const DLManagedTensor,
+        exp_avgs: *const *mut DLManagedTensor,
+        exp_avg_sqs: *const *mut DLManagedTensor,
+        steps: *const i64,
+        n_tensors: usize,
+        lr: c_double,
+        beta1: c_double,
+        beta2: c_double,
+        eps: c_double,
+        weight_decay: c_double,
+        decoupled_weight_decay: i32,
+    ) -> rp_status;
     pub fn rp_step(
         model: *mut rp_model,
         optimizer: *const rp_optimizer,
