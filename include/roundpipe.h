@@ -509,6 +509,34 @@ RP_API rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses,
                                            int64_t *out_skipped_steps,
                                            const rp_model *model);
 
+/**
+ * Switch dynamic loss scaling on a live model, as rp_model_options_set_grad_scaler does at
+ * creation (same arguments and rule): `initial_scale` > 0 (re)starts scaling at that scale with
+ * a fresh count of good steps; 0 turns it off (the loss is no longer scaled and the scaler no
+ * longer skips steps; rp_model_options_set_skip_nonfinite_steps's rule applies instead). A
+ * binding's own scaler (Python's roundpipe.GradScaler) turns the engine's off so that every step
+ * callback runs and decides itself, as upstream. The steps already queued finish first (they
+ * decide with the old setting); the next training call and step use the new one. The count of
+ * skipped steps is kept.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, scale negative or not finite, growth_interval
+ *         < 1; called from a step callback); RP_ERR_STATE (another thread is in a call on the
+ *         model). On error nothing changed.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale,
+                                          int32_t growth_interval);
+
+/**
+ * Change rp_model_options_set_skip_nonfinite_steps on a live model: 1 skips a step whose
+ * gradients hold inf or nan (the step callback does not run), 0 lets it run. With loss scaling
+ * on, the scaler's rule still decides. The steps already queued finish first, with the old
+ * setting.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, not 0 or 1, called from a step callback);
+ *         RP_ERR_STATE (another thread is in a call on the model). On error nothing changed.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
+
 /** The GPU memory cap in force (0 on CPU devices). */
 RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
 

@@ -1,4 +1,6 @@
 // Model lifetime, forward, fused forward + backward, optimizer steps.
+#include <cmath>
+
 #include "api/api_guard.h"
 #include "api/caller_bridge.h"
 #include "api/dlpack_bridge.h"
@@ -181,6 +183,34 @@ rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_
         require_arg(out_nonfinite_losses && out_skipped_steps, "output pointer is NULL");
         *out_nonfinite_losses = hold.model().nonfinite_losses();
         *out_skipped_steps = hold.model().skipped_steps();
+    });
+}
+
+rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale,
+                                   int32_t growth_interval) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_grad_scaler may not be called from a step callback");
+        require(std::isfinite(initial_scale) && initial_scale >= 0,
+                "initial loss scale must be finite and >= 0 (0: off), got " +
+                    std::to_string(initial_scale));
+        require(growth_interval >= 1,
+                "growth_interval must be >= 1, got " + std::to_string(growth_interval));
+        m.set_grad_scaler(initial_scale, growth_interval);
+    });
+}
+
+rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_skip_nonfinite_steps may not be called from a step callback");
+        require(skip == 0 || skip == 1,
+                "skip_nonfinite_steps must be 0 or 1, got " + std::to_string(skip));
+        m.set_skip_nonfinite_steps(skip == 1);
     });
 }
 

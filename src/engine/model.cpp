@@ -520,6 +520,17 @@ void Model::step(StepUpdate update, bool async) {
     }
 }
 
+void Model::set_grad_scaler(double initial_scale, int growth_interval) {
+    // The optimizer thread reads the scaler in step_may_proceed: no step may be in flight.
+    runner_.wait_for(enqueued_);
+    scaler_.reset(initial_scale, growth_interval);
+}
+
+void Model::set_skip_nonfinite_steps(bool skip) {
+    runner_.wait_for(enqueued_); // as above: read by step_may_proceed
+    skip_nonfinite_steps_ = skip;
+}
+
 bool Model::step_may_proceed(const GradFlags::Snapshot &grads, int64_t number) {
     if (scaler_.enabled()) {
         if (scaler_.step_may_proceed(step_grads()))

@@ -107,6 +107,10 @@ class Model {
     double grad_scale() const { return scaler_.enabled() ? scaler_.scale() : 0.0; }
     // Steps skipped for gradients holding inf or nan, by the loss scaler or the non-finite rule.
     int64_t skipped_steps() const { return scaler_.skipped_steps() + nonfinite_skips_.load(); }
+    // Runtime switches of the loss scaler (initial_scale 0: off) and of the non-finite rule.
+    // Driving thread: the queued steps finish first (they decide with the old setting).
+    void set_grad_scaler(double initial_scale, int growth_interval);
+    void set_skip_nonfinite_steps(bool skip);
     // Training calls whose loss was inf or nan.
     int64_t nonfinite_losses() const { return nonfinite_losses_; }
     // The API hands out a writable view of parameter i's gradient: count it as a gradient.

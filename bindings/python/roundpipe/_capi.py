@@ -338,6 +338,10 @@ def _declare_model(fn):
     fn("rp_model_grad_scale", st, [P(c_double), P(c_int64), rp_model_p])  # rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
     fn("rp_model_nonfinite_counts", st,
        [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_skipped_steps, const rp_model *model);
+    fn("rp_model_set_grad_scaler", st,
+       [rp_model_p, c_double, c_int32])                              # rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale, int32_t growth_interval);
+    fn("rp_model_set_skip_nonfinite_steps", st,
+       [rp_model_p, c_int32])                                        # rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
     fn("rp_model_host_state_bytes", st,
        [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);

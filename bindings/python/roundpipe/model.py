@@ -8,6 +8,7 @@ structure, split specs, custom merges) lives in ``_microbatch`` and ``config``.
 """
 
 import json
+import logging
 from ctypes import c_int64
 from typing import Any, Callable, Union
 
@@ -37,6 +38,8 @@ from ._tree_call import layer_call, tree_inputs, tree_outputs
 from .optim import BuiltinOptimizer
 from .grad_scaler import StepTracker
 from ._weights import WeightsMixin
+
+logger = logging.getLogger("roundpipe")
 
 __all__ = ["RoundPipe", "BuiltinLoss", "HostStateBytes", "RoundPipePackedData", "spec_json"]
 
@@ -545,10 +548,13 @@ class RoundPipe(WeightsMixin):
         optimizer is the memory-saving path there (bf16 moments, no copies).
 
         step_fn runs inside :class:`roundpipe.OptimizerCtx`; a :class:`roundpipe.GradScaler`
-        used in it unscales with the scale this step's gradients were made with. A step the
-        engine skips (inf / nan gradients: ``skip_nonfinite_steps``, or its fp16 loss scaler)
-        does not run step_fn: a warning is logged on the "roundpipe" logger and GradScalers
-        count it as an overflow.
+        used in it unscales with the scale this step's gradients were made with. Once a
+        GradScaler has scaled this model's losses, step() hands inf / nan handling to it for
+        good (the engine's ``skip_nonfinite_steps`` and its fp16 loss scaler are switched off
+        before the step is queued): every step_fn runs and ``scaler.step(optimizer)`` skips
+        ``optimizer.step()`` on an overflow, as upstream documents. Without a GradScaler, a
+        step the engine skips (inf / nan gradients: ``skip_nonfinite_steps``, or its fp16 loss
+        scaler) does not run step_fn: a warning is logged on the "roundpipe" logger.
 
         Async (default): returns at once; the next forward_backward runs on the weights from
         before this step (staleness one). An exception raised by an async step_fn is re-raised
@@ -568,7 +574,13 @@ class RoundPipe(WeightsMixin):
                 model.step(step_fn, is_async)
                 self._steps.settle(latest_done=True)
             elif callable(step_fn):
+                handover = self._steps.has_scalers() and not self._steps.handed_over
+                if handover:  # before the step: this step_fn must run, overflow or not
+                    self._hand_nonfinite_steps_to_scalers()
                 call = self._steps.begin_step(step_fn, args, kwargs, is_async)
+                if handover:  # later losses: the GradScaler scales their gradients too
+                    self._steps.handed_over = True
+                    self._steps.engine_scaled = False
                 key = registry.add(StepCall(params, call, (), {}))
                 try:
                     model.step_callback(key, is_async)
@@ -584,6 +596,31 @@ class RoundPipe(WeightsMixin):
         except RoundPipeError as err:
             failure = err
         self._raise_step_failure(failure)
+
+    def set_grad_scaler(self, initial_scale: float, growth_interval: int = 2000) -> None:
+        """Switch the engine's dynamic loss scaling (the constructor's ``grad_scaler``) on this
+        live model: ``initial_scale`` > 0 (re)starts it with that scale, 0 turns it off. Steps
+        already queued finish first with the old setting. A :class:`roundpipe.GradScaler`
+        turns it off by itself (see :meth:`step`)."""
+        self._model.call("model_set_grad_scaler", float(initial_scale), int(growth_interval))
+        if not self._steps.handed_over:
+            self._steps.engine_scaled = float(initial_scale) > 0
+
+    def set_skip_nonfinite_steps(self, skip: bool) -> None:
+        """Skip (True, the default at construction) or run (False) a step whose gradients
+        hold inf or nan, from the next step on (the queued ones finish first)."""
+        self._model.call("model_set_skip_nonfinite_steps", int(bool(skip)))
+
+    def _hand_nonfinite_steps_to_scalers(self) -> None:
+        """A roundpipe.GradScaler serves this model's steps: from now on the engine neither
+        scales losses nor skips steps for inf / nan gradients, so every step_fn runs and
+        GradScaler.step() decides whether optimizer.step() runs, as upstream documents."""
+        model = self._model
+        model.call("model_set_skip_nonfinite_steps", 0)
+        if self._steps.engine_scaled:
+            model.call("model_set_grad_scaler", 0.0, 1)
+            logger.info("%s: a GradScaler serves this model: the engine's loss scaler is off "
+                        "from now on (the GradScaler scales)", self._name)
 
     def synchronize(self):
         """Wait for every pending step and publish the latest weights. Afterwards the

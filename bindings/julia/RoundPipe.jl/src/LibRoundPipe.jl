@@ -507,6 +507,18 @@ rp_model_nonfinite_counts(out_nonfinite_losses, out_skipped_steps, model) =
           (Ptr{Int64}, Ptr{Int64}, Ptr{rp_model}),
           out_nonfinite_losses, out_skipped_steps, model)
 
+# rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale, int32_t growth_interval);
+rp_model_set_grad_scaler(model, initial_scale, growth_interval) =
+    ccall((:rp_model_set_grad_scaler, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Cdouble, Int32),
+          model, initial_scale, growth_interval)
+
+# rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
+rp_model_set_skip_nonfinite_steps(model, skip) =
+    ccall((:rp_model_set_skip_nonfinite_steps, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Int32),
+          model, skip)
+
 # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
 rp_model_gpu_memory_cap(out_bytes, model) =
     ccall((:rp_model_gpu_memory_cap, libroundpipe()), rp_status,

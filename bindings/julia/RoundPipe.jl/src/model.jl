@@ -169,6 +169,23 @@ function nonfinite_counts(m::Model)
     return (nonfinite_losses=Int(losses[]), skipped_steps=Int(skipped[]))
 end
 
+"""
+    set_grad_scaler!(m, initial_scale, growth_interval=2000)
+
+Switch dynamic loss scaling on (`initial_scale` > 0, a fresh schedule) or off (0) on a live
+model; steps already queued finish first with the old setting.
+"""
+function set_grad_scaler!(m::Model, initial_scale::Real, growth_interval::Integer=2000)
+    @check L.rp_model_set_grad_scaler(_ptr(m), Float64(initial_scale), Int32(growth_interval))
+    return m
+end
+
+"Skip (true) or run (false) steps whose gradients hold inf or nan, from the next step on."
+function set_skip_nonfinite_steps!(m::Model, skip::Bool)
+    @check L.rp_model_set_skip_nonfinite_steps(_ptr(m), Int32(skip))
+    return m
+end
+
 # A call taking the model and a path. It synchronizes first, so step callbacks may run on the
 # optimizer thread meanwhile: the call runs GC-safe.
 function _path_call(cfn, m::Model, path::AbstractString)

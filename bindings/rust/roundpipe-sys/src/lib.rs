@@ -428,6 +428,12 @@ extern "C" {
         out_skipped_steps: *mut i64,
         model: *const rp_model,
     ) -> rp_status;
+    pub fn rp_model_set_grad_scaler(
+        model: *mut rp_model,
+        initial_scale: c_double,
+        growth_interval: i32,
+    ) -> rp_status;
+    pub fn rp_model_set_skip_nonfinite_steps(model: *mut rp_model, skip: i32) -> rp_status;
     pub fn rp_model_nonfinite_counts(
         out_nonfinite_losses: *mut i64,
         out_skipped_steps: *mut i64,

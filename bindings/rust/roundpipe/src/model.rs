@@ -297,6 +297,29 @@ impl Model {
         Ok(n)
     }
 
+    /// The loss scale (0 when loss scaling is off) and the steps skipped so far for inf or
+    /// nan gradients (`rp_model_grad_scale`).
+    pub fn grad_scale(&self) -> Result<(f64, i64)> {
+        let (mut scale, mut skipped) = (0.0, 0i64);
+        check(unsafe { sys::rp_model_grad_scale(&mut scale, &mut skipped, self.ptr.as_ptr()) })?;
+        Ok((scale, skipped))
+    }
+
+    /// Switch dynamic loss scaling on this model (`initial_scale` > 0, restarting the schedule)
+    /// or off (0), as `ModelOptions::set_grad_scaler` does at creation. Steps already queued
+    /// finish first, with the old setting (`rp_model_set_grad_scaler`).
+    pub fn set_grad_scaler(&mut self, initial_scale: f64, growth_interval: i32) -> Result<()> {
+        check(unsafe {
+            sys::rp_model_set_grad_scaler(self.ptr.as_ptr(), initial_scale, growth_interval)
+        })
+    }
+
+    /// Skip (true) or run (false) steps whose gradients hold inf or nan, from the next step on
+    /// (`rp_model_set_skip_nonfinite_steps`).
+    pub fn set_skip_nonfinite_steps(&mut self, skip: bool) -> Result<()> {
+        check(unsafe { sys::rp_model_set_skip_nonfinite_steps(self.ptr.as_ptr(), skip as i32) })
+    }
+
     /// Number of optimizer steps enqueued so far.
     pub fn step_count(&self) -> Result<i64> {
         let mut n = 0;
