@@ -954,6 +954,26 @@ RP_API rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model,
 RP_API rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
                              size_t n_grads);
 
+/**
+ * rp_backward that also returns the gradients of the training forward's inputs (x.grad in
+ * autograd terms), e.g. to back-propagate into whatever produced them (another model).
+ * Everything rp_backward says holds; in addition:
+ * @param out_input_grads receives one entry per input of the rp_forward_train call, in the
+ *        input's shape and dtype, in host memory: the gradient of the outputs (weighted by
+ *        `output_grads`) with respect to that input, put back together from the microbatches
+ *        (concatenated along the input's split dimension; summed where every microbatch got the
+ *        whole input). NULL entries (rp_tensor_list_get gives NULL) for inputs that are not
+ *        floating point or that no layer reads (inputs after the first, unless the first layer
+ *        takes every call input). Unscaled when loss scaling is on. Caller frees with
+ *        rp_tensor_list_destroy.
+ * @return as rp_backward, plus RP_ERR_INVALID_ARGUMENT when the forward's inputs were cut by a
+ *         split callback (its pieces cannot be put back together; the forward's state is kept,
+ *         so rp_backward still works). Thread: the thread driving this model.
+ */
+RP_API rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model,
+                                         const DLManagedTensor *const *output_grads,
+                                         size_t n_grads);
+
 /* ---------------------------------------------------------------------------------------------
  * Optimizer
  * ------------------------------------------------------------------------------------------- */

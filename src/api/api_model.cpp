@@ -313,20 +313,42 @@ rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model,
     });
 }
 
+namespace {
+
+std::vector<at::Tensor> borrow_output_grads(const Model &m, const DLManagedTensor *const *grads,
+                                            size_t n) {
+    require_arg(n == 0 || grads, "output_grads is NULL but n_grads > 0");
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < n; ++i)
+        out.push_back(grads[i] ? borrow_dlpack(grads[i], "output gradient " + std::to_string(i),
+                                               input_gpus(m))
+                               : at::Tensor());
+    return out;
+}
+
+} // namespace
+
 rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
                       size_t n_grads) {
     return guard([&] {
         ModelCall hold(model);
         Model &m = hold.model();
         require(!m.on_optimizer_thread(), "rp_backward may not be called from a step callback");
-        require_arg(n_grads == 0 || output_grads, "output_grads is NULL but n_grads > 0");
-        std::vector<at::Tensor> grads;
-        for (size_t i = 0; i < n_grads; ++i)
-            grads.push_back(output_grads[i] ? borrow_dlpack(output_grads[i],
-                                                            "output gradient " + std::to_string(i),
-                                                            input_gpus(m))
-                                            : at::Tensor());
-        m.backward(grads);
+        m.backward(borrow_output_grads(m, output_grads, n_grads));
+    });
+}
+
+rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model,
+                                  const DLManagedTensor *const *output_grads, size_t n_grads) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_input_grads, "out_input_grads is NULL");
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_backward_input_grads may not be called from a step callback");
+        std::vector<at::Tensor> input_grads;
+        m.backward(borrow_output_grads(m, output_grads, n_grads), &input_grads);
+        *out_input_grads = make_output_list(std::move(input_grads));
     });
 }
 

@@ -80,7 +80,12 @@ class Model {
     // Back-propagates the caller's gradients of the last forward_train's outputs (as it returned
     // them; undefined: none) and accumulates the parameter gradients. Once per forward_train;
     // refused after an optimizer step or a load since that forward.
-    void backward(const std::vector<at::Tensor> &output_grads);
+    // `input_grads` (may be null) receives the gradients of the forward's inputs, one per
+    // input in its shape and dtype; undefined for inputs that are not floating point or that no
+    // layer reads. Refused (before anything is consumed) when the forward split its inputs with
+    // a split callback, whose pieces cannot be put back together.
+    void backward(const std::vector<at::Tensor> &output_grads,
+                  std::vector<at::Tensor> *input_grads = nullptr);
     bool backward_pending() const { return pending_ != nullptr; }
 
     // Queues `update` (which changes master weights from step grads) as the next step.
@@ -132,7 +137,15 @@ class Model {
         RecomputeGrain grain = RecomputeGrain::Stage;
         bool merged = true;
         int64_t step = 0; // steps enqueued at the forward
+        // To put input gradients back together: each input's split dim (kReplicate: every
+        // microbatch got all of it), its dtype, and whether a split callback cut the inputs.
+        std::vector<int> input_split_dims;
+        std::vector<at::ScalarType> input_dtypes;
+        bool custom_split = false;
     };
+    std::vector<at::Tensor> merge_input_grads(const PendingBackward &p,
+                                              std::vector<std::vector<at::Tensor>> per_mb,
+                                              double unscale) const;
     std::vector<Transfer> split_output_grads(const PendingBackward &p,
                                              const std::vector<at::Tensor> &grads) const;
 

@@ -379,6 +379,8 @@ def _declare_calls(fn):
         rp_run_config_p])                                            # rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const rp_run_config *config);
     fn("rp_backward", st,
        [rp_model_p, P(c_void_p), c_size_t])                          # rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
+    fn("rp_backward_input_grads", st,
+       [P(rp_tensor_list_p), rp_model_p, P(c_void_p), c_size_t])     # rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
     fn("rp_forward_backward", st,
        [P(c_double), P(rp_tensor_list_p), rp_model_p, P(c_void_p), c_size_t, c_void_p,
         rp_loss_p, rp_run_config_p])                                 # rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const DLManagedTensor *labels, const rp_loss *loss, const rp_run_config *config);

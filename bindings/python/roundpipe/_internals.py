@@ -608,6 +608,14 @@ class Model(Owned):
         """``rp_backward`` on BorrowedInputs of the output gradients (NULL entries allowed)."""
         lib().rp_backward(self.handle, grads.array, grads.count)
 
+    def backward_input_grads(self, grads):
+        """``rp_backward_input_grads``: as backward, returning the gradient of every input of
+        the training forward (torch tensors in host memory; None where the engine gives
+        none)."""
+        with TensorList(lib().rp_backward_input_grads, self.handle, grads.array,
+                        grads.count) as lst:
+            return [from_owned(p) if p else None for p in lst.pointers()]
+
     def forward_backward(self, inputs, label, loss, config, want_outputs):
         """``rp_forward_backward``; `label` a DLManagedTensor* or None. Returns (loss sum,
         TensorList of the outputs or None)."""

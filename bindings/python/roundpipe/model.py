@@ -21,7 +21,7 @@ from ._args import (LOSSES, BuiltinLoss, HostStateBytes, builtin_loss, call_site
 from ._callbacks import StepCall, registry
 from ._capi import kDLCPU
 from ._dlpack import BorrowedInputs
-from ._forward_autograd import PendingBackward, connect
+from ._forward_autograd import PendingBackward, connect, inputs_wanting_grad
 from ._internals import CallScope, Loss, Model, ModelOptions, Params, RunConfig
 from ._call_hooks import forward_backward_call, forward_call
 from ._microbatch import (RoundPipePackedData, builtin_label_dim, call_inputs, merge_outputs,
@@ -406,7 +406,9 @@ class RoundPipe(WeightsMixin):
         model.handle  # raises when closed
         py = self._run_config.call_fields(roundpipe_run_config)
         tensors, dims, split_call, tree = self._call_inputs(args, kwargs, py)
-        train = self.training and torch.is_grad_enabled() and self._has_trainable_parameters()
+        wanted = inputs_wanting_grad(tensors) if torch.is_grad_enabled() else []
+        train = self.training and torch.is_grad_enabled() and \
+            (self._has_trainable_parameters() or bool(wanted))
         with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
                                               training=train) as state:
             split = scope.split_callback(split_call)
@@ -416,8 +418,10 @@ class RoundPipe(WeightsMixin):
                 outputs = scope.run(model.forward, BorrowedInputs(tensors), config)
                 return self._outputs(outputs.to_torch(), py, resolved, merge, state)
             outputs = scope.run(model.forward_train, BorrowedInputs(tensors), config)
-            pending = PendingBackward(self._engine_backward(state))
-            return self._outputs(connect(outputs.to_torch(), pending), py, resolved, merge,
+            pending = PendingBackward(self._engine_backward(state), wants_inputs=bool(wanted))
+            connected = connect(outputs.to_torch(), pending, [tensors[i] for i in wanted],
+                                wanted)
+            return self._outputs(connected, py, resolved, merge,
                                  state)
 
     def _has_trainable_parameters(self):
@@ -425,10 +429,13 @@ class RoundPipe(WeightsMixin):
 
     def _engine_backward(self, state):
         """rp_backward for a training forward whose Python-layer call state is `state`."""
-        def run(grads):
+        def run(grads, wants_inputs=False):
             with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope,
                                                   None, True, state=state):
+                if wants_inputs:
+                    return scope.run(self._model.backward_input_grads, grads)
                 scope.run(self._model.backward, grads)
+                return None
         return run
 
     __call__ = forward

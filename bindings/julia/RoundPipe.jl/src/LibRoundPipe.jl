@@ -683,6 +683,12 @@ rp_backward(model, output_grads, n_grads) =
     ccall((:rp_backward, libroundpipe()), rp_status,
           (Ptr{rp_model}, Ptr{Ptr{DLManagedTensor}}, Csize_t), model, output_grads, n_grads)
 
+# rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
+rp_backward_input_grads(out_input_grads, model, output_grads, n_grads) =
+    ccall((:rp_backward_input_grads, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_tensor_list}}, Ptr{rp_model}, Ptr{Ptr{DLManagedTensor}}, Csize_t),
+          out_input_grads, model, output_grads, n_grads)
+
 # rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const DLManagedTensor *labels, const rp_loss *loss, const rp_run_config *config);
 rp_forward_backward(out_loss, out_outputs, model, inputs, n_inputs, labels, loss, config) =
     ccall((:rp_forward_backward, libroundpipe()), rp_status,

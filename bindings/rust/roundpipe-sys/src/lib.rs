@@ -553,6 +553,12 @@ extern "C" {
         output_grads: *const *const DLManagedTensor,
         n_grads: usize,
     ) -> rp_status;
+    pub fn rp_backward_input_grads(
+        out_input_grads: *mut *mut rp_tensor_list,
+        model: *mut rp_model,
+        output_grads: *const *const DLManagedTensor,
+        n_grads: usize,
+    ) -> rp_status;
     pub fn rp_forward_backward(
         out_loss: *mut c_double,
         out_outputs: *mut *mut rp_tensor_list,

@@ -15,7 +15,7 @@ use crate::layer::{LayerDef, LayerState, ParamKind};
 use crate::loss::{panic_message, Loss};
 use crate::optim::Optimizer;
 use crate::tensor::{borrowed_managed, AsDlpack, DlTensor};
-use crate::tensor_list::take_list;
+use crate::tensor_list::{take_list, take_list_optional};
 
 /// A model: layers, host parameter store, optimizer state, device workers and threads.
 ///
@@ -450,6 +450,34 @@ impl Model {
         // SAFETY: the gradients are borrowed for the call and outlive it.
         check(unsafe { sys::rp_backward(self.ptr.as_ptr(), ptrs.as_ptr(), ptrs.len()) })
             .map_err(|e| self.with_layer_details(e))
+    }
+
+    /// `backward` that also returns the gradient of every input of the last `forward_train`
+    /// (`rp_backward_input_grads`): one per input, in its shape and dtype; `None` for inputs
+    /// that are not floating point or that no layer reads. Chains models: the input gradients
+    /// of one are the output gradients of the model that produced its inputs.
+    pub fn backward_input_grads(
+        &mut self,
+        output_grads: &[Option<&dyn AsDlpack>],
+    ) -> Result<Vec<Option<DlTensor>>> {
+        let present: Vec<&dyn AsDlpack> = output_grads.iter().flatten().copied().collect();
+        let managed = borrowed_managed(&present);
+        let mut next = managed.iter();
+        let ptrs: Vec<*const sys::DLManagedTensor> = output_grads
+            .iter()
+            .map(|g| match g {
+                Some(_) => next.next().map_or(ptr::null(), |m| m as *const _),
+                None => ptr::null(),
+            })
+            .collect();
+        self.clear_layer_errors();
+        let mut list = ptr::null_mut();
+        // SAFETY: the gradients are borrowed for the call and outlive it; list is an out-pointer.
+        check(unsafe {
+            sys::rp_backward_input_grads(&mut list, self.ptr.as_ptr(), ptrs.as_ptr(), ptrs.len())
+        })
+        .map_err(|e| self.with_layer_details(e))?;
+        take_list_optional(list)
     }
 
     /// Training: forward, loss and backward of every microbatch in one pipelined pass. Returns
