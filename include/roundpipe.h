@@ -481,6 +481,23 @@ RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out
                                      int32_t capacity, const rp_model *model);
 
 /**
+ * Replace the stage plan of a live model, as rp_model_options_set_stage_plan does at creation:
+ * stage s holds the next `layers_per_stage[s]` layers; NULL or n == 0 returns to the automatic
+ * planner (on GPUs the next training call re-plans from measured times again). The next call
+ * runs on the new stages; forward and backward use the same stages (backward in reverse order),
+ * so plans whose backward stages differ from the forward's cannot be expressed. Weights,
+ * gradients, optimizer state and queued steps do not depend on the plan and are untouched.
+ * @param layers_per_stage borrowed; copied.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model, counts not positive or not adding up to
+ *         the number of layers, called from a step callback); RP_ERR_STATE (a rp_forward_train
+ *         awaits its rp_backward, whose kept stage inputs follow the old plan; another thread is
+ *         in a call on the model). On error the plan is unchanged.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage,
+                                         size_t n);
+
+/**
  * The run configuration a call with `call` would use: the model-level configuration overlaid by
  * `call` field by field, with every field still unset filled in with the built-in default
  * (num_microbatch: number of devices + 1; grain: RP_GRAIN_STAGE; output device: the CPU;

@@ -145,6 +145,20 @@ rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_st
     });
 }
 
+rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_stage_plan may not be called from a step callback");
+        require_arg(n == 0 || layers_per_stage, "layers_per_stage is NULL but n > 0");
+        require(n <= m.num_layers(), "the plan has " + std::to_string(n) + " stages, the model " +
+                                         std::to_string(m.num_layers()) + " layers");
+        std::vector<int> plan(layers_per_stage, layers_per_stage + n);
+        m.set_stage_plan(plan);
+    });
+}
+
 rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model,
                                       const rp_run_config *call) {
     return guard([&] {

@@ -155,6 +155,28 @@ std::vector<int> Model::stage_plan() const {
     return counts;
 }
 
+void Model::set_stage_plan(const std::vector<int> &layers_per_stage) {
+    std::vector<double> cost;
+    for (const auto &l : layers_)
+        cost.push_back(l->cost_estimate());
+    // plan_stages reads explicit_plan_: swap it in, and back if the plan is refused.
+    std::vector<int> previous = std::move(explicit_plan_);
+    explicit_plan_ = layers_per_stage;
+    std::vector<Stage> stages;
+    try {
+        stages = plan_stages(cost);
+        if (pending_)
+            fail(ErrorKind::State, "a training forward awaits its backward, whose kept stage "
+                                   "inputs follow the current plan: run rp_backward first");
+    } catch (...) {
+        explicit_plan_ = std::move(previous);
+        throw;
+    }
+    stages_ = std::move(stages);
+    if (layers_per_stage.empty())
+        replanned_ = false; // on GPUs the next training call measures and re-plans again
+}
+
 ResolvedRunConfig Model::resolve_run_config(const RunConfig &call) const {
     ResolvedRunConfig r = ResolvedRunConfig::resolve(RunConfig::overlay(run_config_, call),
                                                      static_cast<int>(num_devices()));

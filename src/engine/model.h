@@ -102,6 +102,9 @@ class Model {
     size_t num_stages() const { return stages_.size(); }
     // Layers per stage of the current plan.
     std::vector<int> stage_plan() const;
+    // A new explicit plan (empty: the automatic planner). Validated first; refused while a
+    // training forward awaits its backward (its kept stage inputs follow the old stages).
+    void set_stage_plan(const std::vector<int> &layers_per_stage);
     // The model's run configuration overlaid by `call`, defaults filled in, output device checked.
     ResolvedRunConfig resolve_run_config(const RunConfig &call) const;
     size_t num_devices() const { return pipeline_.num_devices(); }

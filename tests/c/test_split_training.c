@@ -329,6 +329,64 @@ static void input_grads_after_a_split_callback_are_refused_and_the_forward_kept(
     rp_model_destroy(m);
 }
 
+static void assert_plan(rp_model *m, const int32_t *want, int32_t n) {
+    int32_t got[8] = {0}, count = 0;
+    TS_OK(rp_model_stage_plan(got, &count, 8, m));
+    assert_int_equal(count, n);
+    for (int32_t s = 0; s < n; ++s)
+        assert_int_equal(got[s], want[s]);
+}
+
+/* rp_model_set_stage_plan: the plan of a live model changes (one stage, then back to two) and
+ * training on each gives the hand-computed gradients; bad plans, and a switch while a forward
+ * awaits its backward, are refused with the plan unchanged; NULL returns to the planner. */
+static void stage_plan_switches_at_runtime_and_gradients_stay_exact(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    const int32_t two[] = {1, 1}, one[] = {2}, zero[] = {0, 2}, three[] = {1, 1, 1};
+    assert_plan(m, two, 2);
+    TS_ERR(rp_model_set_stage_plan(m, zero, 2), RP_ERR_INVALID_ARGUMENT, "at least one");
+    TS_ERR(rp_model_set_stage_plan(m, three, 3), RP_ERR_INVALID_ARGUMENT, "3 stages");
+    TS_ERR(rp_model_set_stage_plan(m, NULL, 1), RP_ERR_INVALID_ARGUMENT, "NULL");
+    TS_ERR(rp_model_set_stage_plan(NULL, one, 1), RP_ERR_INVALID_ARGUMENT, "model");
+    assert_plan(m, two, 2);
+    TS_OK(rp_model_set_stage_plan(m, one, 1));
+    assert_plan(m, one, 1);
+
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    rp_tensor_list *outs = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, NULL));
+    TS_ERR(rp_model_set_stage_plan(m, two, 2), RP_ERR_STATE, "backward");
+    assert_plan(m, one, 1);
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g, want);
+    assert_grads(m, want);
+    rp_tensor_list_destroy(outs);
+
+    TS_OK(rp_zero_grad(m));
+    TS_OK(rp_model_set_stage_plan(m, two, 2));
+    assert_plan(m, two, 2);
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, NULL));
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    assert_grads(m, want);
+    rp_tensor_list_destroy(outs);
+
+    TS_OK(rp_model_set_stage_plan(m, NULL, 0)); /* the automatic planner: every layer covered */
+    int32_t counts[8] = {0}, n = 0;
+    TS_OK(rp_model_stage_plan(counts, &n, 8, m));
+    int32_t total = 0;
+    for (int32_t s = 0; s < n; ++s)
+        total += counts[s];
+    assert_int_equal(total, 2);
+    ts_free(in);
+    ts_free(grad);
+    rp_model_destroy(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(merged_outputs_back_propagate_to_the_hand_computed_gradients),
@@ -337,6 +395,7 @@ int main(void) {
         cmocka_unit_test(two_models_chain_through_input_gradients),
         cmocka_unit_test(input_grads_after_a_split_callback_are_refused_and_the_forward_kept),
         cmocka_unit_test(a_step_between_forward_and_backward_is_refused),
+        cmocka_unit_test(stage_plan_switches_at_runtime_and_gradients_stay_exact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -580,6 +580,12 @@ class Model(Owned):
         L.rp_model_stage_plan(counts, byref(n), len(counts), self.handle)
         return list(counts[:n.value])
 
+    def set_stage_plan(self, counts):
+        """``rp_model_set_stage_plan``: layers per stage (empty: the automatic planner)."""
+        counts = [int(c) for c in counts]
+        array = (c_int32 * max(1, len(counts)))(*counts)
+        lib().rp_model_set_stage_plan(self.handle, array if counts else None, len(counts))
+
     def resolve_run_config(self, call=None):
         """The :class:`RunConfig` a call with `call` (a RunConfig or None) would use."""
         return RunConfig(lib().rp_model_resolve_run_config, self.handle,

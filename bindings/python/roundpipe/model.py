@@ -10,7 +10,7 @@ structure, split specs, custom merges) lives in ``_microbatch`` and ``config``.
 import json
 import logging
 from ctypes import c_int64
-from typing import Any, Callable, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -119,6 +119,10 @@ class RoundPipe(WeightsMixin):
             grad_scaler=parse_grad_scaler(grad_scaler),
             stage_plan=model_stage_plan(stage_plan, model_run_config.execute_plan),
             skip_nonfinite_steps=bool(skip_nonfinite_steps))
+        # The model's own plan (None: the planner's), restored after a call with a plan of its
+        # own (execute_plan.check_call_plan).
+        self._model_plan = options["stage_plan"]
+        self._plan_overridden = False
         # The engine gets the model-level fields it holds and overlays each call's on them; the
         # Python-only ones (split specs, custom merges) are overlaid by call_fields() per call.
         self._python_layers = source.converted.python_layers if source.converted else []
@@ -313,6 +317,27 @@ class RoundPipe(WeightsMixin):
         in pipeline order (after the re-plan the first GPU training call makes from measured
         times)."""
         return self._model.stage_plan()
+
+    def set_stage_plan(self, layers_per_stage: Optional[Sequence[int]]) -> None:
+        """Replace the model's stage plan (``rp_model_set_stage_plan``): stage s holds the next
+        ``layers_per_stage[s]`` layers; None returns to the automatic planner. It becomes the
+        model's own plan (what calls without a per-call ``execute_plan`` run)."""
+        counts = [] if layers_per_stage is None else [int(c) for c in layers_per_stage]
+        self._model.set_stage_plan(counts)
+        self._model_plan = counts or None
+        self._plan_overridden = False
+
+    def _use_call_plan(self, counts: Optional[List[int]]) -> None:
+        """Run the next call on `counts` (a per-call execute_plan), or on the model's own plan
+        again (None) after a call that had one."""
+        if counts is None:
+            if self._plan_overridden:
+                self._model.set_stage_plan(self._model_plan or [])
+                self._plan_overridden = False
+            return
+        if counts != self._model.stage_plan():
+            self._model.set_stage_plan(counts)
+            self._plan_overridden = True
 
     @property
     def model_run_config(self):

@@ -124,6 +124,16 @@ function stage_plan(m::Model)
     return Int.(plan)
 end
 
+"Replace the stage plan (layers per stage; empty: the automatic planner)."
+function set_stage_plan!(m::Model, layers_per_stage::AbstractVector{<:Integer})
+    plan = Int32[c for c in layers_per_stage]
+    GC.@preserve plan begin
+        @check L.rp_model_set_stage_plan(_ptr(m), isempty(plan) ? Ptr{Int32}(C_NULL) :
+                                         pointer(plan), Csize_t(length(plan)))
+    end
+    return m
+end
+
 """
     resolve_run_config(model, config=nothing) -> RunConfig
 

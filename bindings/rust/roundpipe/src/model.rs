@@ -343,6 +343,19 @@ impl Model {
         Ok(plan)
     }
 
+    /// Replace the stage plan (`rp_model_set_stage_plan`): stage `s` holds the next
+    /// `layers_per_stage[s]` layers; an empty slice returns to the automatic planner. Refused
+    /// (plan unchanged) for bad counts, or while a `forward_train` awaits its `backward`.
+    pub fn set_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<()> {
+        check(unsafe {
+            sys::rp_model_set_stage_plan(
+                self.ptr.as_ptr(),
+                layers_per_stage.as_ptr(),
+                layers_per_stage.len(),
+            )
+        })
+    }
+
     /// The run configuration a call given `call` would use: the model's configuration
     /// overlaid by `call` field by field, every field still unset filled in with the built-in
     /// default (num_microbatch: number of devices + 1; grain: stage; output: the CPU; merged
