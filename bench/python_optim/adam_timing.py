@@ -1,7 +1,12 @@
 """Timing of roundpipe.optim.Adam (the engine's AdamW kernel through rp_adam_apply, inside a
 Python step_fn) beside the engine's built-in AdamW (C++ on the optimizer thread) on the same
-model. Not a test. The last line is JSON; `ratio_engine_over_adam` >= 1 means
-roundpipe.optim.Adam's update is at least as fast as the engine's.
+model. Not a test. The last line is JSON: `ratio_engine_over_adam_step` (whole synchronous
+steps, per round) and `ratio_engine_over_adam_update` (each minus the empty step_fn's step) >= 1
+mean roundpipe.optim.Adam is at least as fast as the built-in AdamW; the built-in path runs no
+Python at all, so these include the cost of any Python step_fn (the GIL, the .grad views).
+`ratio_kernel_over_adam_inside_step_fn` compares Adam.step() with one bare rp_adam_apply over
+the same parameters inside the same kind of step_fn: what the Python optimizer adds to the
+kernel.
 
     ROUNDPIPE_LIBRARY=... PYTHONPATH=bindings/python python3 bench/python_optim/adam_timing.py \
         [--width 1024] [--layers 8] [--steps 30]
@@ -19,10 +24,13 @@ import json
 import statistics
 import time
 
+from ctypes import c_int64
+
 import torch
 
 import roundpipe
-from roundpipe.optim import Adam, AdamW
+from roundpipe import _capi
+from roundpipe.optim import Adam, AdamW, _dlpack_array
 
 
 def build(width, layers):
@@ -48,7 +56,8 @@ def main():
     a = ap.parse_args()
     x = torch.randn(8, a.width)
     y = torch.randn(8, a.width)
-    names = ("empty step_fn", "engine AdamW", "roundpipe.optim.Adam", "torch.optim.Adam foreach")
+    names = ("empty step_fn", "engine AdamW", "roundpipe.optim.Adam", "torch.optim.Adam foreach",
+             "rp_adam_apply direct")
     models = {k: build(a.width, a.layers) for k in names}
     n = sum(p.numel() for p in models["engine AdamW"].optim_parameters())
     inner = []
@@ -61,12 +70,32 @@ def main():
         inner.append(time.perf_counter() - t0)
         adam.zero_grad()
 
+    # The engine's kernel with no Python optimizer around it: one rp_adam_apply over every
+    # parameter, inside a step_fn like Adam's (same thread, same context), on its own state.
+    direct_params = list(models["rp_adam_apply direct"].optim_parameters())
+    direct_state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in direct_params]
+    direct_steps = [0]
+    direct_inner = []
+
+    def direct_step():
+        t0 = time.perf_counter()
+        direct_steps[0] += 1
+        keep = []
+        arrays = [_dlpack_array(ts, keep) for ts in (
+            direct_params, [p.grad for p in direct_params], [m for m, _ in direct_state],
+            [v for _, v in direct_state])]
+        n_t = len(direct_params)
+        _capi.lib().rp_adam_apply(*arrays, (c_int64 * n_t)(*([direct_steps[0]] * n_t)), n_t,
+                                  1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+        direct_inner.append(time.perf_counter() - t0)
+
     foreach = torch.optim.Adam(models["torch.optim.Adam foreach"].optim_parameters(), lr=1e-3,
                                weight_decay=0.01, decoupled_weight_decay=True, foreach=True)
     steps = {"empty step_fn": lambda: None,
              "engine AdamW": AdamW(lr=1e-3, weight_decay=0.01),
              "roundpipe.optim.Adam": adam_step,
-             "torch.optim.Adam foreach": lambda: (foreach.step(), foreach.zero_grad())}
+             "torch.optim.Adam foreach": lambda: (foreach.step(), foreach.zero_grad()),
+             "rp_adam_apply direct": direct_step}
     samples = {k: [] for k in names}
     for i in range(a.steps + 2):
         # One step of each model in turn: load from other processes falls on all alike.
@@ -77,6 +106,8 @@ def main():
     for m in models.values():
         m.close()
     inner = inner[2:]
+    direct_inner = direct_inner[2:]
+    kernel_ratios = [d / a for d, a in zip(direct_inner, inner)]
     med = {k: statistics.median(v) for k, v in samples.items()}
     # Paired per round: each model's step minus the empty step_fn's of the same round.
     engine = statistics.median(e - b for e, b in zip(samples["engine AdamW"],
@@ -98,6 +129,8 @@ def main():
         "adam_step_inside_step_fn_ms": round(statistics.median(inner) * 1e3, 3),
         "ratio_engine_over_adam_step": round(statistics.median(ratios), 3),
         "ratio_engine_over_adam_update": round(engine / ours, 3) if ours > 0 else None,
+        "kernel_direct_inside_step_fn_ms": round(statistics.median(direct_inner) * 1e3, 3),
+        "ratio_kernel_over_adam_inside_step_fn": round(statistics.median(kernel_ratios), 3),
     }))
 
 
