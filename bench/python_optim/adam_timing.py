@@ -30,7 +30,12 @@ import torch
 
 import roundpipe
 from roundpipe import _capi
-from roundpipe.optim import Adam, AdamW, _dlpack_array
+from roundpipe.optim import Adam, AdamW
+
+try:  # absent from packages older than rp_adam_apply (for comparing them)
+    from roundpipe.optim import _dlpack_array
+except ImportError:
+    _dlpack_array = None
 
 
 def build(width, layers):
@@ -56,8 +61,9 @@ def main():
     a = ap.parse_args()
     x = torch.randn(8, a.width)
     y = torch.randn(8, a.width)
-    names = ("empty step_fn", "engine AdamW", "roundpipe.optim.Adam", "torch.optim.Adam foreach",
-             "rp_adam_apply direct")
+    names = ("empty step_fn", "engine AdamW", "roundpipe.optim.Adam", "torch.optim.Adam foreach")
+    if _dlpack_array is not None:
+        names += ("rp_adam_apply direct",)
     models = {k: build(a.width, a.layers) for k in names}
     n = sum(p.numel() for p in models["engine AdamW"].optim_parameters())
     inner = []
@@ -72,7 +78,8 @@ def main():
 
     # The engine's kernel with no Python optimizer around it: one rp_adam_apply over every
     # parameter, inside a step_fn like Adam's (same thread, same context), on its own state.
-    direct_params = list(models["rp_adam_apply direct"].optim_parameters())
+    direct_model = models.get("rp_adam_apply direct")
+    direct_params = list(direct_model.optim_parameters()) if direct_model else []
     direct_state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in direct_params]
     direct_steps = [0]
     direct_inner = []
@@ -107,7 +114,8 @@ def main():
         m.close()
     inner = inner[2:]
     direct_inner = direct_inner[2:]
-    kernel_ratios = [d / a for d, a in zip(direct_inner, inner)]
+    kernel_ratios = [d / a for d, a in zip(direct_inner, inner)] or [float("nan")]
+    direct_inner = direct_inner or [float("nan")]
     med = {k: statistics.median(v) for k, v in samples.items()}
     # Paired per round: each model's step minus the empty step_fn's of the same round.
     engine = statistics.median(e - b for e, b in zip(samples["engine AdamW"],

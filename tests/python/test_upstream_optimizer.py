@@ -196,13 +196,26 @@ def test_adam_runs_the_engine_kernel_and_matches_torch_adam(monkeypatch, decoupl
     for p, q in zip(again, ours):
         p.data.copy_(q.detach())
     cont = torch.optim.Adam(groups(again), decoupled_weight_decay=decoupled)
-    cont.load_state_dict(sd)
+    cont.load_state_dict(copy.deepcopy(sd))  # torch would share our state tensors
     for p, q in zip(again, ref):
         p.grad = torch.ones_like(p)
         q.grad = torch.ones_like(q)
     cont.step()
     ref_opt.step()
     for p, q in zip(again, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+    # and ours continues from torch's: load_state_dict brings new state tensors, which the
+    # DLPack views kept between steps must follow
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    for p, q in zip(ours, ref):
+        p.data.copy_(q.detach())
+        p.grad = torch.full_like(p, 0.5)
+        q.grad = p.grad.clone()
+    monkeypatch.setattr(torch.optim.Adam, "step", torch_step_fails)
+    opt.step()
+    monkeypatch.setattr(torch.optim.Adam, "step", real_torch_step)
+    ref_opt.step()
+    for p, q in zip(ours, ref):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
 
 

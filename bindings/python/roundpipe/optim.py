@@ -141,13 +141,28 @@ class Adam(torch.optim.Adam):
             return
         steps = [int(round(s)) + 1 for s in torch.stack(counters).tolist()]
         beta1, beta2 = (float(b) for b in group["betas"])
-        keep = []  # the capsules own the DLPack views until the call returns
-        arrays = [_dlpack_array(ts, keep) for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-        _capi.lib().rp_adam_apply(*arrays, (c_int64 * len(steps))(*steps), len(steps),
+        keep = []  # the capsules own the DLPack views of the gradients until the call returns
+        fixed = self._fixed_arrays(group, params, exp_avgs, exp_avg_sqs)
+        _capi.lib().rp_adam_apply(fixed[0], _dlpack_array(grads, keep), fixed[1], fixed[2],
+                                  (c_int64 * len(steps))(*steps), len(steps),
                                   float(group["lr"]), beta1, beta2, float(group["eps"]),
                                   float(group["weight_decay"]),
                                   int(bool(group.get("decoupled_weight_decay", False))))
         torch._foreach_add_(counters, 1.0)
+
+    def _fixed_arrays(self, group: Dict[str, Any], params: List[torch.Tensor],
+                      exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor]) -> Any:
+        """The DLPack arrays of the weights and moments of `group`, kept from one step to the
+        next while they are the same tensors (they are updated in place): only the gradients
+        need new views each step. The cache holds its tensors, so their ids stay unique."""
+        key = tuple(id(t) for ts in (params, exp_avgs, exp_avg_sqs) for t in ts)
+        cache = self.__dict__.setdefault("_rp_arrays", {})
+        entry = cache.get(id(group))
+        if entry is None or entry[0] != key:
+            keep: List[Any] = []
+            arrays = tuple(_dlpack_array(ts, keep) for ts in (params, exp_avgs, exp_avg_sqs))
+            entry = cache[id(group)] = (key, arrays, keep, group)
+        return entry[1]
 
 
 def _dlpack_array(tensors: List[torch.Tensor], keep: List[Any]) -> Any:
