@@ -489,6 +489,23 @@ RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out
                                      int32_t capacity, const rp_model *model);
 
 /**
+ * Replace the stage plan of a live model, as rp_model_options_set_stage_plan does at creation:
+ * stage s holds the next `layers_per_stage[s]` layers; NULL or n == 0 returns to the automatic
+ * planner (on GPUs the next training call re-plans from measured times again). The next call
+ * runs on the new stages; forward and backward use the same stages (backward in reverse order),
+ * so plans whose backward stages differ from the forward's cannot be expressed. Weights,
+ * gradients, optimizer state and queued steps do not depend on the plan and are untouched.
+ * @param layers_per_stage borrowed; copied.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model, counts not positive or not adding up to
+ *         the number of layers, called from a step callback); RP_ERR_STATE (a rp_forward_train
+ *         awaits its rp_backward, whose kept stage inputs follow the old plan; another thread is
+ *         in a call on the model). On error the plan is unchanged.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage,
+                                         size_t n);
+
+/**
  * The run configuration a call with `call` would use: the model-level configuration overlaid by
  * `call` field by field, with every field still unset filled in with the built-in default
  * (num_microbatch: number of devices + 1; grain: RP_GRAIN_STAGE; output device: the CPU;
@@ -516,6 +533,34 @@ RP_API rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_ste
 RP_API rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses,
                                            int64_t *out_skipped_steps,
                                            const rp_model *model);
+
+/**
+ * Switch dynamic loss scaling on a live model, as rp_model_options_set_grad_scaler does at
+ * creation (same arguments and rule): `initial_scale` > 0 (re)starts scaling at that scale with
+ * a fresh count of good steps; 0 turns it off (the loss is no longer scaled and the scaler no
+ * longer skips steps; rp_model_options_set_skip_nonfinite_steps's rule applies instead). A
+ * binding's own scaler (Python's roundpipe.GradScaler) turns the engine's off so that every step
+ * callback runs and decides itself, as upstream. The steps already queued finish first (they
+ * decide with the old setting); the next training call and step use the new one. The count of
+ * skipped steps is kept.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, scale negative or not finite, growth_interval
+ *         < 1; called from a step callback); RP_ERR_STATE (another thread is in a call on the
+ *         model). On error nothing changed.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale,
+                                          int32_t growth_interval);
+
+/**
+ * Change rp_model_options_set_skip_nonfinite_steps on a live model: 1 skips a step whose
+ * gradients hold inf or nan (the step callback does not run), 0 lets it run. With loss scaling
+ * on, the scaler's rule still decides. The steps already queued finish first, with the old
+ * setting.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL, not 0 or 1, called from a step callback);
+ *         RP_ERR_STATE (another thread is in a call on the model). On error nothing changed.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
 
 /** The GPU memory cap in force (0 on CPU devices). */
 RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
@@ -945,6 +990,26 @@ RP_API rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model,
 RP_API rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
                              size_t n_grads);
 
+/**
+ * rp_backward that also returns the gradients of the training forward's inputs (x.grad in
+ * autograd terms), e.g. to back-propagate into whatever produced them (another model).
+ * Everything rp_backward says holds; in addition:
+ * @param out_input_grads receives one entry per input of the rp_forward_train call, in the
+ *        input's shape and dtype, in host memory: the gradient of the outputs (weighted by
+ *        `output_grads`) with respect to that input, put back together from the microbatches
+ *        (concatenated along the input's split dimension; summed where every microbatch got the
+ *        whole input). NULL entries (rp_tensor_list_get gives NULL) for inputs that are not
+ *        floating point or that no layer reads (inputs after the first, unless the first layer
+ *        takes every call input). Unscaled when loss scaling is on. Caller frees with
+ *        rp_tensor_list_destroy.
+ * @return as rp_backward, plus RP_ERR_INVALID_ARGUMENT when the forward's inputs were cut by a
+ *         split callback (its pieces cannot be put back together; the forward's state is kept,
+ *         so rp_backward still works). Thread: the thread driving this model.
+ */
+RP_API rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model,
+                                         const DLManagedTensor *const *output_grads,
+                                         size_t n_grads);
+
 /* ---------------------------------------------------------------------------------------------
  * Optimizer
  * ------------------------------------------------------------------------------------------- */
@@ -980,6 +1045,35 @@ RP_API rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double w
 
 /** SGD momentum in [0, 1). RP_ERR_INVALID_ARGUMENT for AdamW settings. */
 RP_API rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum);
+
+/**
+ * One Adam update of caller-owned tensors with the engine's CPU kernel (the one rp_step runs for
+ * RP_OPTIMIZER_ADAMW), for optimizers whose state lives outside a model (Python's
+ * roundpipe.optim.Adam inside a step callback). Stateless: the caller keeps the moments and the
+ * step counts. Entry i computes what torch.optim.Adam computes for one parameter at step
+ * `steps[i]` (fp32 rounding aside): with `decoupled_weight_decay` 1 the weight is first scaled
+ * by 1 - lr * weight_decay (torch.optim.AdamW); with 0 the moments see grad + weight_decay *
+ * param (torch.optim.Adam's default L2; the gradient tensor is not modified). Every argument is
+ * checked before anything is written: on error no tensor has changed.
+ * @param params, exp_avgs, exp_avg_sqs n_tensors borrowed tensors, updated in place.
+ * @param grads n_tensors borrowed tensors, read only (they may share memory with each other).
+ *        Every tensor: float32, contiguous, in host memory (kDLCPU or kDLCUDAHost); the four of
+ *        entry i of one shape; no updated tensor overlapping any other tensor of the call.
+ * @param steps n_tensors 1-based update numbers (bias correction), each >= 1.
+ * @param n_tensors 0 (nothing to do) .. 2^24.
+ * @param lr finite, >= 0. @param beta1, beta2 each in [0, 1). @param eps finite, >= 0.
+ * @param weight_decay finite, >= 0. @param decoupled_weight_decay 0 or 1.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT naming the first bad argument or entry.
+ * Thread: any thread; tensors may not be used by another thread during the call. The kernel
+ * splits each tensor over the calling thread's OpenMP threads: on a model's optimizer thread
+ * (inside a step callback) RP_OPTIMIZER_THREADS applies, as for rp_step.
+ */
+RP_API rp_status rp_adam_apply(DLManagedTensor *const *params,
+                               const DLManagedTensor *const *grads,
+                               DLManagedTensor *const *exp_avgs,
+                               DLManagedTensor *const *exp_avg_sqs, const int64_t *steps,
+                               size_t n_tensors, double lr, double beta1, double beta2,
+                               double eps, double weight_decay, int32_t decoupled_weight_decay);
 
 /**
  * Apply one optimizer step to the gradients accumulated since the previous step, then start

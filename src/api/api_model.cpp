@@ -1,4 +1,6 @@
 // Model lifetime, forward, fused forward + backward, optimizer steps.
+#include <cmath>
+
 #include "api/api_guard.h"
 #include "api/caller_bridge.h"
 #include "api/dlpack_bridge.h"
@@ -143,6 +145,20 @@ rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_st
     });
 }
 
+rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_stage_plan may not be called from a step callback");
+        require_arg(n == 0 || layers_per_stage, "layers_per_stage is NULL but n > 0");
+        require(n <= m.num_layers(), "the plan has " + std::to_string(n) + " stages, the model " +
+                                         std::to_string(m.num_layers()) + " layers");
+        std::vector<int> plan(layers_per_stage, layers_per_stage + n);
+        m.set_stage_plan(plan);
+    });
+}
+
 rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model,
                                       const rp_run_config *call) {
     return guard([&] {
@@ -181,6 +197,34 @@ rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_
         require_arg(out_nonfinite_losses && out_skipped_steps, "output pointer is NULL");
         *out_nonfinite_losses = hold.model().nonfinite_losses();
         *out_skipped_steps = hold.model().skipped_steps();
+    });
+}
+
+rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale,
+                                   int32_t growth_interval) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_grad_scaler may not be called from a step callback");
+        require(std::isfinite(initial_scale) && initial_scale >= 0,
+                "initial loss scale must be finite and >= 0 (0: off), got " +
+                    std::to_string(initial_scale));
+        require(growth_interval >= 1,
+                "growth_interval must be >= 1, got " + std::to_string(growth_interval));
+        m.set_grad_scaler(initial_scale, growth_interval);
+    });
+}
+
+rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_skip_nonfinite_steps may not be called from a step callback");
+        require(skip == 0 || skip == 1,
+                "skip_nonfinite_steps must be 0 or 1, got " + std::to_string(skip));
+        m.set_skip_nonfinite_steps(skip == 1);
     });
 }
 
@@ -283,20 +327,42 @@ rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model,
     });
 }
 
+namespace {
+
+std::vector<at::Tensor> borrow_output_grads(const Model &m, const DLManagedTensor *const *grads,
+                                            size_t n) {
+    require_arg(n == 0 || grads, "output_grads is NULL but n_grads > 0");
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < n; ++i)
+        out.push_back(grads[i] ? borrow_dlpack(grads[i], "output gradient " + std::to_string(i),
+                                               input_gpus(m))
+                               : at::Tensor());
+    return out;
+}
+
+} // namespace
+
 rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
                       size_t n_grads) {
     return guard([&] {
         ModelCall hold(model);
         Model &m = hold.model();
         require(!m.on_optimizer_thread(), "rp_backward may not be called from a step callback");
-        require_arg(n_grads == 0 || output_grads, "output_grads is NULL but n_grads > 0");
-        std::vector<at::Tensor> grads;
-        for (size_t i = 0; i < n_grads; ++i)
-            grads.push_back(output_grads[i] ? borrow_dlpack(output_grads[i],
-                                                            "output gradient " + std::to_string(i),
-                                                            input_gpus(m))
-                                            : at::Tensor());
-        m.backward(grads);
+        m.backward(borrow_output_grads(m, output_grads, n_grads));
+    });
+}
+
+rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model,
+                                  const DLManagedTensor *const *output_grads, size_t n_grads) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_input_grads, "out_input_grads is NULL");
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_backward_input_grads may not be called from a step callback");
+        std::vector<at::Tensor> input_grads;
+        m.backward(borrow_output_grads(m, output_grads, n_grads), &input_grads);
+        *out_input_grads = make_output_list(std::move(input_grads));
     });
 }
 

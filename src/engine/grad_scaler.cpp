@@ -14,6 +14,13 @@ int64_t GradScaler::skipped_steps() const {
     return skipped_;
 }
 
+void GradScaler::reset(double initial_scale, int growth_interval) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    scale_ = initial_scale;
+    growth_interval_ = growth_interval;
+    good_steps_ = 0;
+}
+
 bool GradScaler::step_may_proceed(const std::vector<at::Tensor> &grads) {
     bool finite = true;
     for (const at::Tensor &g : grads) {

@@ -18,6 +18,9 @@ class GradScaler {
         : scale_(initial_scale), growth_interval_(growth_interval) {}
 
     bool enabled() const { return scale_ > 0; }
+    // A new schedule (0: off) with a fresh count of good steps; the skip count is kept. Only
+    // while no step is queued (step_may_proceed runs on the optimizer thread).
+    void reset(double initial_scale, int growth_interval);
     double scale() const;
     int64_t skipped_steps() const;
 

@@ -267,6 +267,26 @@ std::vector<int> Model::stage_plan() const {
     return counts;
 }
 
+void Model::set_stage_plan(const std::vector<int> &layers_per_stage) {
+    // make_plan reads explicit_plan_: swap it in, and back if the plan is refused.
+    std::vector<int> previous = std::move(explicit_plan_);
+    explicit_plan_ = layers_per_stage;
+    std::vector<Stage> stages;
+    try {
+        stages = make_plan(0, RecomputeGrain::Stage, StageUse::Fused);
+        if (pending_)
+            fail(ErrorKind::State, "a training forward awaits its backward, whose kept stage "
+                                   "inputs follow the current plan: run rp_backward first");
+    } catch (...) {
+        explicit_plan_ = std::move(previous);
+        throw;
+    }
+    stages_ = std::move(stages);
+    plans_.clear(); // plans made per call shape under the old setting
+    if (layers_per_stage.empty())
+        replanned_ = false; // on GPUs the next training call measures and re-plans again
+}
+
 ResolvedRunConfig Model::resolve_run_config(const RunConfig &call) const {
     ResolvedRunConfig r = ResolvedRunConfig::resolve(RunConfig::overlay(run_config_, call),
                                                      static_cast<int>(num_devices()));
@@ -470,6 +490,13 @@ std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inpu
     pending->merged = cfg.merge_output;
     pending->step = enqueued_;
     pending->stages = plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Split);
+    pending->custom_split = static_cast<bool>(cfg.split);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+        auto it = cfg.input_split_dims.find(static_cast<int>(i));
+        const int dim = it == cfg.input_split_dims.end() ? 0 : it->second;
+        pending->input_split_dims.push_back(inputs[i].dim() == 0 ? kReplicate : dim);
+        pending->input_dtypes.push_back(inputs[i].scalar_type());
+    }
     CallContext ctx{layers_, pending->stages, store_, pending->microbatches};
     ctx.seed = seed_;
     ctx.call_index = pending->call_index;
@@ -549,13 +576,50 @@ std::vector<Transfer> Model::split_output_grads(const PendingBackward &p,
     return per_mb;
 }
 
-void Model::backward(const std::vector<at::Tensor> &output_grads) {
+// The first stage's per-microbatch input gradients put back together as the inputs were split:
+// concatenated along the split dim, or summed where every microbatch got the whole input.
+std::vector<at::Tensor> Model::merge_input_grads(const PendingBackward &p,
+                                                 std::vector<std::vector<at::Tensor>> per_mb,
+                                                 double unscale) const {
+    const size_t n = p.input_dtypes.size();
+    const size_t fed = layers_.front()->takes_all_call_inputs() ? n : std::min<size_t>(n, 1);
+    std::vector<at::Tensor> merged(n);
+    for (size_t i = 0; i < fed; ++i) {
+        if (!at::isFloatingType(p.input_dtypes[i]))
+            continue;
+        std::vector<at::Tensor> pieces;
+        bool any = false;
+        for (size_t m = 0; m < per_mb.size(); ++m) {
+            at::Tensor g = i < per_mb[m].size() ? per_mb[m][i] : at::Tensor();
+            any = any || g.defined();
+            // No gradient reached this piece (a layer ignored it): zeros, as autograd's sum.
+            pieces.push_back(g.defined() ? g.to(at::kFloat)
+                                         : at::zeros(p.microbatches.inputs[m][i].sizes(),
+                                                     at::TensorOptions().dtype(at::kFloat)));
+        }
+        if (!any)
+            continue;
+        const int dim = p.input_split_dims[i];
+        at::Tensor g = dim == kReplicate ? at::stack(pieces).sum(0) : at::cat(pieces, dim);
+        if (unscale != 1.0)
+            g = g * unscale;
+        merged[i] = g.to(p.input_dtypes[i]).contiguous();
+    }
+    return merged;
+}
+
+void Model::backward(const std::vector<at::Tensor> &output_grads,
+                     std::vector<at::Tensor> *input_grads) {
     if (!pending_)
         fail(ErrorKind::State, "no forward to back-propagate: run the training forward first "
                                "(each one can be back-propagated once)");
     if (pending_->step != enqueued_)
         fail(ErrorKind::State, "an optimizer step ran since the training forward: its weights "
                                "are gone; run the forward again");
+    require(!input_grads || !pending_->custom_split,
+            "input gradients need the built-in microbatch split: the training forward cut its "
+            "inputs with a split callback, whose pieces cannot be put back together (use "
+            "input_split_dims, or rp_backward)");
     std::vector<Transfer> grads = split_output_grads(*pending_, output_grads);
     std::unique_ptr<PendingBackward> p = std::move(pending_); // consumed, also on failure
     timeline_.begin_call();
@@ -574,16 +638,24 @@ void Model::backward(const std::vector<at::Tensor> &output_grads) {
     ctx.stage_inputs = std::move(p->stage_inputs);
     ctx.output_grads = std::move(grads);
     ctx.gradients = &gradients_;
+    ctx.want_input_grads = input_grads != nullptr;
+    if (input_grads)
+        ctx.input_grads.assign(p->microbatches.inputs.size(), {});
     gate_call(ctx);
     gradients_.begin_call(grads_zero_, 1.0 / scale);
+    std::vector<at::Tensor> merged;
     try {
         pipeline_.run(ctx);
+        if (input_grads)
+            merged = merge_input_grads(*p, std::move(ctx.input_grads), 1.0 / scale);
     } catch (...) {
         gradients_.end_call(false);
         throw;
     }
     gradients_.end_call(true);
     grads_zero_ = false;
+    if (input_grads)
+        *input_grads = std::move(merged);
 }
 
 void Model::rethrow_step_error() {
@@ -634,6 +706,17 @@ void Model::step(StepUpdate update, bool async) {
         publish_completed_step();
         rethrow_step_error();
     }
+}
+
+void Model::set_grad_scaler(double initial_scale, int growth_interval) {
+    // The optimizer thread reads the scaler in step_may_proceed: no step may be in flight.
+    runner_.wait_for(enqueued_);
+    scaler_.reset(initial_scale, growth_interval);
+}
+
+void Model::set_skip_nonfinite_steps(bool skip) {
+    runner_.wait_for(enqueued_); // as above: read by step_may_proceed
+    skip_nonfinite_steps_ = skip;
 }
 
 bool Model::step_may_proceed(const GradFlags::Snapshot &grads, int64_t number) {

@@ -84,7 +84,12 @@ class Model {
     // Back-propagates the caller's gradients of the last forward_train's outputs (as it returned
     // them; undefined: none) and accumulates the parameter gradients. Once per forward_train;
     // refused after an optimizer step or a load since that forward.
-    void backward(const std::vector<at::Tensor> &output_grads);
+    // `input_grads` (may be null) receives the gradients of the forward's inputs, one per
+    // input in its shape and dtype; undefined for inputs that are not floating point or that no
+    // layer reads. Refused (before anything is consumed) when the forward split its inputs with
+    // a split callback, whose pieces cannot be put back together.
+    void backward(const std::vector<at::Tensor> &output_grads,
+                  std::vector<at::Tensor> *input_grads = nullptr);
     bool backward_pending() const { return pending_ != nullptr; }
 
     // Queues `update` (which changes master weights from step grads) as the next step.
@@ -106,6 +111,9 @@ class Model {
     // decides: each element of an integer tensor (token ids) is a token; a floating tensor has
     // one per row along its last dimension.
     static int64_t tokens_per_microbatch(const Microbatches &mb);
+    // A new explicit plan (empty: the automatic planner). Validated first; refused while a
+    // training forward awaits its backward (its kept stage inputs follow the old stages).
+    void set_stage_plan(const std::vector<int> &layers_per_stage);
     // The model's run configuration overlaid by `call`, defaults filled in, output device checked.
     ResolvedRunConfig resolve_run_config(const RunConfig &call) const;
     size_t num_devices() const { return pipeline_.num_devices(); }
@@ -116,6 +124,10 @@ class Model {
     double grad_scale() const { return scaler_.enabled() ? scaler_.scale() : 0.0; }
     // Steps skipped for gradients holding inf or nan, by the loss scaler or the non-finite rule.
     int64_t skipped_steps() const { return scaler_.skipped_steps() + nonfinite_skips_.load(); }
+    // Runtime switches of the loss scaler (initial_scale 0: off) and of the non-finite rule.
+    // Driving thread: the queued steps finish first (they decide with the old setting).
+    void set_grad_scaler(double initial_scale, int growth_interval);
+    void set_skip_nonfinite_steps(bool skip);
     // Training calls whose loss was inf or nan.
     int64_t nonfinite_losses() const { return nonfinite_losses_; }
     // The API hands out a writable view of parameter i's gradient: count it as a gradient.
@@ -138,7 +150,15 @@ class Model {
         std::vector<Stage> stages; // the forward's plan: its stage inputs are kept per stage
         bool merged = true;
         int64_t step = 0; // steps enqueued at the forward
+        // To put input gradients back together: each input's split dim (kReplicate: every
+        // microbatch got all of it), its dtype, and whether a split callback cut the inputs.
+        std::vector<int> input_split_dims;
+        std::vector<at::ScalarType> input_dtypes;
+        bool custom_split = false;
     };
+    std::vector<at::Tensor> merge_input_grads(const PendingBackward &p,
+                                              std::vector<std::vector<at::Tensor>> per_mb,
+                                              double unscale) const;
     std::vector<Transfer> split_output_grads(const PendingBackward &p,
                                              const std::vector<at::Tensor> &grads) const;
 

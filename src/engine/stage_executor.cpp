@@ -429,9 +429,11 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
         Activation x = to_device(lane, ctx.stage_inputs[s][m], job, ctx.store.model_dtype());
         ctx.stage_inputs[s][m] = Transfer(); // recompute input no longer needed: free it
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
+        // The first stage's inputs need a gradient only when the caller asked for it.
+        const bool into_inputs = s > 0 || ctx.want_input_grads;
         lane.compute_begin(job);
         if (ctx.grain == RecomputeGrain::Stage) {
-            maybe_require_grad(x, s > 0);
+            maybe_require_grad(x, into_inputs);
             Activation y = run_stage(ctx, w, stage, x, extras, Phase::Recompute);
             check_recompute_matches(y, g, layers_of(ctx, stage.first_layer, stage.end_layer));
             backward_if_needed(y, g);
@@ -452,7 +454,7 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
             for (size_t l = stage.end_layer; l-- > stage.first_layer;) {
                 Activation xi = detached(layer_inputs[l - stage.first_layer]);
                 layer_inputs[l - stage.first_layer].clear();
-                maybe_require_grad(xi, l > stage.first_layer || s > 0);
+                maybe_require_grad(xi, l > stage.first_layer || into_inputs);
                 Activation y = run_layer(ctx, w, stage, l, xi, extras, Phase::Recompute);
                 check_recompute_matches(y, g, layers_of(ctx, l, l + 1));
                 backward_if_needed(y, g);
@@ -460,7 +462,10 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
             }
         }
         lane.compute_end(job);
-        ctx.state->put(job, m, lane.download(g, job));
+        if (s == 0 && ctx.want_input_grads)
+            ctx.input_grads[m] = lane.download(g, job).tensors;
+        else
+            ctx.state->put(job, m, lane.download(g, job));
     }
 }
 

@@ -45,6 +45,9 @@ struct CallContext {
     const Loss *loss = nullptr;
     // BackwardOnly: per microbatch, the gradients of the last stage's outputs (undefined: none).
     std::vector<Transfer> output_grads;
+    // BackwardOnly: also back-propagate into the first stage's floating inputs, into
+    // `input_grads` ([mb][input of the first stage], host memory, model dtype).
+    bool want_input_grads = false;
     at::Device output_device = at::Device(at::kCPU);
     bool keep_outputs = false;
     CallState *state = nullptr;
@@ -57,6 +60,7 @@ struct CallContext {
     std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
     std::vector<std::vector<at::Tensor>> outputs;    // [mb][output], on the output device
     std::vector<at::Tensor> losses;                  // [mb], 0-d
+    std::vector<std::vector<at::Tensor>> input_grads; // [mb][input], want_input_grads only
     GradAccumulator *gradients = nullptr; // receives each training job's downloaded gradients
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }

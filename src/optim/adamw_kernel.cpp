@@ -32,6 +32,24 @@ adamw_range(float *__restrict p, const float *__restrict g, float *__restrict m,
     }
 }
 
+// The same loop for L2 weight decay (torch.optim.Adam's default). A separate body, not an
+// `l2 * p[i]` term in the one above: with l2 = 0 that term would still turn an inf weight into
+// nan in AdamW's moments.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
+adam_l2_range(float *__restrict p, const float *__restrict g, float *__restrict m,
+              float *__restrict v, int64_t n, float l2, float one_minus_b1, float b2,
+              float one_minus_b2, float inv_bc2_sqrt, float eps, float step_size) {
+    for (int64_t i = 0; i < n; ++i) {
+        float gi = g[i] + l2 * p[i]; // torch: grad = grad.add(param, alpha=weight_decay)
+        float mi = m[i] + (gi - m[i]) * one_minus_b1;
+        float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
+        p[i] = p[i] - step_size * mi / denom;
+    }
+}
+
 struct AdamWConstants {
     float decay, one_minus_b1, b2, one_minus_b2, inv_bc2_sqrt, eps, step_size;
 };
@@ -59,6 +77,17 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
         adamw_block(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
                     end - begin, c);
+    });
+}
+
+void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
+                    const AdamWHyper &h, int64_t step) {
+    const AdamWConstants c = constants(h, step);
+    const float l2 = static_cast<float>(h.weight_decay);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        adam_l2_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
+                      end - begin, l2, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps,
+                      c.step_size);
     });
 }
 

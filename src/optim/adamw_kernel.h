@@ -15,6 +15,11 @@ struct AdamWHyper {
 void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
                   const AdamWHyper &h, int64_t step);
 
+// torch.optim.Adam's update with L2 weight decay (decoupled_weight_decay=False): the moments see
+// grad + weight_decay * param; the gradient itself is left unchanged, as torch leaves p.grad.
+void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
+                    const AdamWHyper &h, int64_t step);
+
 // The same update with both moments stored in bf16 (stochastically rounded, see
 // bf16_convert.h) and the gradient in fp32 or bf16. `param_index` decorrelates the rounding of
 // different parameters.

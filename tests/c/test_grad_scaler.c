@@ -2,11 +2,13 @@
  * test_grad_scaler.c - dynamic loss scaling. Scaling by a power of two and unscaling is exact in
  * binary floating point, so a scaled fp32 run must give bit-for-bit the losses, gradients and
  * weights of an unscaled one; an overflowing step must be skipped (weights unchanged) and halve
- * the scale; good steps must grow it; fp16 models scale by default.
+ * the scale; good steps must grow it; fp16 models scale by default. rp_model_set_grad_scaler
+ * and rp_model_set_skip_nonfinite_steps switch the same rules on a live model.
  */
 #include "test_support.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -226,6 +228,111 @@ static void scaler_options_reject_bad_values(void **state) {
     rp_model_options_destroy(o);
 }
 
+/* Switched on at runtime, scaling behaves as when created on: a model created without a scaler
+ * and switched to 1024 trains bit-for-bit like a plain one (power-of-two scaling is exact), an
+ * overflow is then skipped and halves the scale; switched off, the scale reads 0, the skip count
+ * is kept, and the non-finite rule (default on) skips the next overflow instead. */
+static void scaler_switched_at_runtime_acts_as_if_created_so(void **state) {
+    (void)state;
+    rp_model *plain = model_with_scaler(0, 1, RP_DTYPE_F32);
+    rp_model *m = model_with_scaler(0, 1, RP_DTYPE_F32);
+    TS_OK(rp_model_set_grad_scaler(m, 1024, 1000));
+    rp_loss *mse = NULL;
+    TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    for (int step = 0; step < 2; ++step) {
+        batch b = make_batch(step + 30);
+        assert_true(train_call(plain, mse, b) == train_call(m, mse, b));
+        TS_OK(rp_step(plain, opt, 0));
+        TS_OK(rp_step(m, opt, 0));
+        free_batch(b);
+    }
+    ts_params *w1 = ts_masters(plain), *w2 = ts_masters(m);
+    ts_assert_params_equal(w1, w2);
+    double scale = 0;
+    int64_t skipped = -1;
+    TS_OK(rp_model_grad_scale(&scale, &skipped, m));
+    assert_true(scale == 1024.0 && skipped == 0);
+
+    int poison = 1;
+    rp_loss *inf_loss = NULL;
+    TS_OK(rp_loss_create_callback(&inf_loss, mse_or_inf, &poison));
+    batch b = make_batch(40);
+    train_call(m, inf_loss, b);
+    TS_OK(rp_step(m, opt, 0));
+    TS_OK(rp_model_grad_scale(&scale, &skipped, m));
+    assert_true(scale == 512.0 && skipped == 1);
+
+    TS_OK(rp_model_set_grad_scaler(m, 0, 1));
+    TS_OK(rp_model_grad_scale(&scale, &skipped, m));
+    assert_true(scale == 0.0 && skipped == 1);
+    train_call(m, inf_loss, b);
+    TS_OK(rp_step(m, opt, 0));
+    int64_t losses = 0, nonfinite_skips = 0;
+    TS_OK(rp_model_nonfinite_counts(&losses, &nonfinite_skips, m));
+    assert_int_equal(nonfinite_skips, 2); /* the scaler's one and the rule's one */
+    ts_params *w3 = ts_masters(m);
+    ts_assert_params_equal(w2, w3); /* both overflowing steps were skipped */
+    ts_params_free(w1);
+    ts_params_free(w2);
+    ts_params_free(w3);
+    free_batch(b);
+    rp_loss_destroy(inf_loss);
+    rp_optimizer_destroy(opt);
+    rp_loss_destroy(mse);
+    rp_model_destroy(plain);
+    rp_model_destroy(m);
+}
+
+typedef struct {
+    rp_model *model;
+    rp_status from_callback, from_other_thread;
+} busy_probe;
+
+static void *switch_from_other_thread(void *arg) {
+    busy_probe *p = arg;
+    p->from_other_thread = rp_model_set_skip_nonfinite_steps(p->model, 0);
+    return NULL;
+}
+
+/* Inside a synchronous step callback the driving thread is in rp_step_callback: the model is
+ * busy for every other thread, and the callback itself may not switch either. */
+static int32_t probe_step(rp_model *model, void *user_data) {
+    busy_probe *p = user_data;
+    p->from_callback = rp_model_set_grad_scaler(model, 8, 1);
+    pthread_t t;
+    pthread_create(&t, NULL, switch_from_other_thread, p);
+    pthread_join(t, NULL);
+    return 0;
+}
+
+static void runtime_switches_refuse_bad_values_and_calls_in_flight(void **state) {
+    (void)state;
+    rp_model *m = model_with_scaler(64, 3, RP_DTYPE_F32);
+    TS_ERR(rp_model_set_grad_scaler(NULL, 1, 1), RP_ERR_INVALID_ARGUMENT, "model");
+    TS_ERR(rp_model_set_grad_scaler(m, -2, 1), RP_ERR_INVALID_ARGUMENT, "scale");
+    TS_ERR(rp_model_set_grad_scaler(m, INFINITY, 1), RP_ERR_INVALID_ARGUMENT, "scale");
+    TS_ERR(rp_model_set_grad_scaler(m, 2, 0), RP_ERR_INVALID_ARGUMENT, "growth_interval");
+    TS_ERR(rp_model_set_skip_nonfinite_steps(NULL, 1), RP_ERR_INVALID_ARGUMENT, "model");
+    TS_ERR(rp_model_set_skip_nonfinite_steps(m, 2), RP_ERR_INVALID_ARGUMENT, "0 or 1");
+    rp_loss *mse = NULL;
+    TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
+    batch b = make_batch(50);
+    train_call(m, mse, b);
+    busy_probe p = {m, RP_OK, RP_OK};
+    TS_OK(rp_step_callback(m, probe_step, &p, 0));
+    assert_int_equal(p.from_callback, RP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(p.from_other_thread, RP_ERR_STATE);
+    double scale = 0;
+    int64_t skipped = -1;
+    TS_OK(rp_model_grad_scale(&scale, &skipped, m));
+    assert_true(scale == 64.0 && skipped == 0); /* nothing refused took effect */
+    free_batch(b);
+    rp_loss_destroy(mse);
+    rp_model_destroy(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(scaled_fp32_run_equals_unscaled_run_bit_for_bit),
@@ -233,6 +340,8 @@ int main(void) {
         cmocka_unit_test(good_steps_double_the_scale_every_growth_interval),
         cmocka_unit_test(fp16_models_scale_by_default_and_train),
         cmocka_unit_test(scaler_options_reject_bad_values),
+        cmocka_unit_test(scaler_switched_at_runtime_acts_as_if_created_so),
+        cmocka_unit_test(runtime_switches_refuse_bad_values_and_calls_in_flight),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -138,6 +138,40 @@ static void nonfinite_step_runs_when_skipping_is_off(void **state) {
     rp_model_options_destroy(o);
 }
 
+/* rp_model_set_skip_nonfinite_steps: off on a model created with the default, the poisoned
+ * step runs (nan in the weights); on again, the next is skipped. An asynchronous step queued
+ * before a switch decides with the setting of its time. */
+static void skip_rule_switched_at_runtime(void **state) {
+    (void)state;
+    rp_model *m = model_with(-1);
+    TS_OK(rp_model_set_skip_nonfinite_steps(m, 0));
+    train_call(m, 1);
+    step(m);
+    ts_params *after = ts_masters(m);
+    assert_true(any_nan(after));
+    ts_params_free(after);
+    rp_model_destroy(m);
+
+    m = model_with(0);
+    TS_OK(rp_model_set_skip_nonfinite_steps(m, 1));
+    ts_params *before = ts_masters(m);
+    train_call(m, 1);
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_step(m, opt, 1)); /* queued while skipping is on */
+    TS_OK(rp_model_set_skip_nonfinite_steps(m, 0));
+    TS_OK(rp_synchronize(m));
+    after = ts_masters(m);
+    ts_assert_params_equal(before, after);
+    int64_t losses = -1, skipped = -1;
+    TS_OK(rp_model_nonfinite_counts(&losses, &skipped, m));
+    assert_int_equal(skipped, 1);
+    ts_params_free(before);
+    ts_params_free(after);
+    rp_optimizer_destroy(opt);
+    rp_model_destroy(m);
+}
+
 /* torch.optim.AdamW(weight_decay=0.01).step() with every .grad None changes nothing; nor does
  * ours without a gradient since the last step. */
 static void step_without_gradients_leaves_weights_alone(void **state) {
@@ -175,6 +209,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(nan_loss_is_counted_and_logged_and_its_step_skipped),
         cmocka_unit_test(nonfinite_step_runs_when_skipping_is_off),
+        cmocka_unit_test(skip_rule_switched_at_runtime),
         cmocka_unit_test(step_without_gradients_leaves_weights_alone),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -12,6 +12,9 @@
  * the check is ||w - w_ref|| <= 1e-6 ||w_ref|| per parameter. The update itself
  * (w_t - w_{t-1}) must match the reference update to 1e-4 relative, plus the two roundings of
  * the fp32 weights it is computed from (2 * 6e-8 ||w||).
+ *
+ * rp_adam_apply (the same kernel over caller-owned tensors, with Adam's L2 variant) is checked
+ * against the same double-precision formulas, and against bad input that must change nothing.
  */
 #include "test_support.h"
 
@@ -288,6 +291,256 @@ static void switching_optimizer_kind_is_a_state_error(void **state) {
     rp_model_destroy(model);
 }
 
+/* ---- rp_adam_apply: the kernel over caller-owned tensors ----------------------------------- */
+
+#define AA_N 3
+static const int64_t AA_SIZES[AA_N] = {1, 37, 70001}; /* scalar, a vector tail, threaded */
+
+typedef struct aa_set {
+    DLManagedTensor *p[AA_N], *g[AA_N], *m[AA_N], *v[AA_N];
+    double *w[AA_N], *dm[AA_N], *dv[AA_N]; /* the double-precision reference */
+} aa_set;
+
+static float *aa_data(DLManagedTensor *t) { return (float *)t->dl_tensor.data; }
+
+static void aa_init(aa_set *s) {
+    for (int i = 0; i < AA_N; ++i) {
+        int64_t n = AA_SIZES[i];
+        float *w = malloc(sizeof(float) * n);
+        ts_fill_uniform(w, n, 500 + i, -1.f, 1.f);
+        s->p[i] = ts_f32(1, &AA_SIZES[i], w);
+        s->g[i] = ts_f32(1, &AA_SIZES[i], NULL);
+        s->m[i] = ts_f32(1, &AA_SIZES[i], NULL);
+        s->v[i] = ts_f32(1, &AA_SIZES[i], NULL);
+        s->w[i] = malloc(sizeof(double) * n);
+        s->dm[i] = calloc(n, sizeof(double));
+        s->dv[i] = calloc(n, sizeof(double));
+        for (int64_t j = 0; j < n; ++j)
+            s->w[i][j] = w[j];
+        free(w);
+    }
+}
+
+static void aa_free(aa_set *s) {
+    for (int i = 0; i < AA_N; ++i) {
+        ts_free(s->p[i]);
+        ts_free(s->g[i]);
+        ts_free(s->m[i]);
+        ts_free(s->v[i]);
+        free(s->w[i]);
+        free(s->dm[i]);
+        free(s->dv[i]);
+    }
+}
+
+/* torch.optim.Adam, one parameter, in double: AdamW scales the weight by 1 - lr wd first;
+ * Adam (L2) adds wd w to the gradient the moments see. */
+static void aa_reference(double *w, double *m, double *v, const float *g, int64_t n, int64_t t,
+                         double lr, double b1, double b2, double eps, double wd, int decoupled) {
+    double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
+    for (int64_t j = 0; j < n; ++j) {
+        double gr = g[j];
+        if (decoupled)
+            w[j] *= 1.0 - lr * wd;
+        else
+            gr += wd * w[j];
+        m[j] = b1 * m[j] + (1.0 - b1) * gr;
+        v[j] = b2 * v[j] + (1.0 - b2) * gr * gr;
+        w[j] -= lr / bc1 * m[j] / (sqrt(v[j]) / sqrt(bc2) + eps);
+    }
+}
+
+/* Three steps with fresh gradients, each parameter at its own step count (entry 0 joins one
+ * step late, as a parameter whose .grad was None). Weights are fp32: each update rounds them
+ * (relative 6e-8), and the moments are fp32 too, so the weight after three steps is checked to
+ * 1e-6 relative (norm) against the double reference, as the built-in AdamW test does. */
+static void adam_apply_matches_torch_formula(int decoupled) {
+    aa_set s;
+    aa_init(&s);
+    const double lr = 1e-2, b1 = 0.8, b2 = 0.95, eps = 1e-6, wd = 0.1;
+    int64_t steps[AA_N] = {0, 0, 0};
+    for (int it = 0; it < 3; ++it) {
+        for (int i = 0; i < AA_N; ++i)
+            ts_fill_uniform(aa_data(s.g[i]), AA_SIZES[i], 900 + 10 * it + i, -2.f, 2.f);
+        size_t first = it == 0 ? 1 : 0; /* entry 0 has no gradient at the first step */
+        for (size_t i = first; i < AA_N; ++i) {
+            ++steps[i];
+            aa_reference(s.w[i], s.dm[i], s.dv[i], aa_data(s.g[i]), AA_SIZES[i], steps[i], lr,
+                         b1, b2, eps, wd, decoupled);
+        }
+        TS_OK(rp_adam_apply(s.p + first, (const DLManagedTensor *const *)s.g + first,
+                            s.m + first, s.v + first, steps + first, AA_N - first, lr, b1, b2,
+                            eps, wd, decoupled));
+    }
+    for (int i = 0; i < AA_N; ++i) {
+        double d = 0, nrm = 0;
+        const float *got = aa_data(s.p[i]);
+        for (int64_t j = 0; j < AA_SIZES[i]; ++j) {
+            d += (got[j] - s.w[i][j]) * (got[j] - s.w[i][j]);
+            nrm += s.w[i][j] * s.w[i][j];
+        }
+        if (!(sqrt(d) <= 1e-6 * fmax(sqrt(nrm), 1e-6)))
+            fail_msg("entry %d (%lld elements, decoupled %d): weight error %.3g relative", i,
+                     (long long)AA_SIZES[i], decoupled, sqrt(d) / fmax(sqrt(nrm), 1e-6));
+    }
+    aa_free(&s);
+}
+
+static void adam_apply_adamw_matches_torch_adamw_formula(void **state) {
+    (void)state;
+    adam_apply_matches_torch_formula(1);
+}
+
+static void adam_apply_l2_matches_torch_adam_formula(void **state) {
+    (void)state;
+    adam_apply_matches_torch_formula(0);
+}
+
+/* Snapshot of every tensor of a set, to prove a refused call wrote nothing. */
+static float *aa_snapshot(const aa_set *s) {
+    int64_t total = 0;
+    for (int i = 0; i < AA_N; ++i)
+        total += 4 * AA_SIZES[i];
+    float *out = malloc(sizeof(float) * total), *o = out;
+    for (int i = 0; i < AA_N; ++i) {
+        DLManagedTensor *const parts[4] = {s->p[i], s->g[i], s->m[i], s->v[i]};
+        for (int k = 0; k < 4; ++k) {
+            memcpy(o, aa_data(parts[k]), sizeof(float) * AA_SIZES[i]);
+            o += AA_SIZES[i];
+        }
+    }
+    return out;
+}
+
+static void aa_assert_unchanged(const aa_set *s, const float *before, const char *what) {
+    float *now = aa_snapshot(s);
+    int64_t total = 0;
+    for (int i = 0; i < AA_N; ++i)
+        total += 4 * AA_SIZES[i];
+    if (memcmp(now, before, sizeof(float) * total) != 0)
+        fail_msg("a refused rp_adam_apply (%s) changed a tensor", what);
+    free(now);
+}
+
+#define AA_CALL(set, steps)                                                                         \
+    rp_adam_apply((set).p, (const DLManagedTensor *const *)(set).g, (set).m, (set).v, (steps),     \
+                  AA_N, 1e-2, 0.9, 0.999, 1e-8, 0.0, 1)
+
+static void adam_apply_refuses_bad_input_before_writing_anything(void **state) {
+    (void)state;
+    aa_set s;
+    aa_init(&s);
+    for (int i = 0; i < AA_N; ++i)
+        ts_fill_uniform(aa_data(s.g[i]), AA_SIZES[i], 40 + i, -1.f, 1.f);
+    int64_t steps[AA_N] = {1, 1, 1};
+    float *before = aa_snapshot(&s);
+    const DLManagedTensor *const *g = (const DLManagedTensor *const *)s.g;
+
+    /* hyperparameters */
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, -1.0, 0.9, 0.999, 1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "lr");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, NAN, 0.9, 0.999, 1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "lr");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, 1e-3, 1.0, 0.999, 1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "beta1");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, 1e-3, 0.9, -0.1, 1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "beta2");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, 1e-3, 0.9, 0.999, -1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "eps");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, 1e-3, 0.9, 0.999, 1e-8, INFINITY, 1),
+           RP_ERR_INVALID_ARGUMENT, "weight_decay");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, steps, AA_N, 1e-3, 0.9, 0.999, 1e-8, 0, 2),
+           RP_ERR_INVALID_ARGUMENT, "decoupled_weight_decay");
+    TS_ERR(rp_adam_apply(NULL, g, s.m, s.v, steps, AA_N, 1e-3, 0.9, 0.999, 1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "NULL");
+    TS_ERR(rp_adam_apply(s.p, g, s.m, s.v, NULL, AA_N, 1e-3, 0.9, 0.999, 1e-8, 0, 1),
+           RP_ERR_INVALID_ARGUMENT, "NULL");
+
+    /* step counts: the last entry is bad, the first two must stay untouched */
+    int64_t zero_step[AA_N] = {1, 1, 0};
+    TS_ERR(AA_CALL(s, zero_step), RP_ERR_INVALID_ARGUMENT, "step 2");
+
+    /* a bad tensor in the last entry, swapped in and out */
+    const int64_t n2 = AA_SIZES[2], short_n = AA_SIZES[2] - 1, two_d[2] = {7, 10001};
+    const int64_t strides[1] = {2};
+    DLManagedTensor *wrong_dtype = ts_raw(TS_F64, TS_CPU, 1, &n2, NULL, sizeof(double) * n2);
+    DLManagedTensor *wrong_shape = ts_f32(1, &short_n, NULL);
+    DLManagedTensor *wrong_rank = ts_f32(2, two_d, NULL); /* same numel, other shape */
+    DLManagedTensor *strided = ts_raw(TS_F32, TS_CPU, 1, &n2, strides, sizeof(float) * 2 * n2);
+    DLManagedTensor *on_gpu = ts_raw(TS_F32, TS_CUDA0, 1, &n2, NULL, sizeof(float) * n2);
+    struct {
+        DLManagedTensor **slot;
+        DLManagedTensor *bad;
+        const char *needle;
+    } cases[] = {
+        {&s.p[2], wrong_dtype, "param 2"},      {&s.g[2], wrong_dtype, "grad 2"},
+        {&s.m[2], wrong_shape, "exp_avg 2"},    {&s.v[2], wrong_rank, "exp_avg_sq 2"},
+        {&s.g[2], strided, "contiguous"},       {&s.p[2], on_gpu, "param 2"},
+        {&s.m[2], NULL, "exp_avg 2"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+        DLManagedTensor *keep = *cases[c].slot;
+        *cases[c].slot = cases[c].bad;
+        TS_ERR(AA_CALL(s, steps), RP_ERR_INVALID_ARGUMENT, cases[c].needle);
+        *cases[c].slot = keep;
+    }
+
+    /* aliasing: an updated tensor shared by two roles, or a gradient inside a weight */
+    DLManagedTensor *keep = s.m[1];
+    s.m[1] = s.p[1];
+    TS_ERR(AA_CALL(s, steps), RP_ERR_INVALID_ARGUMENT, "overlaps");
+    s.m[1] = keep;
+    keep = s.v[2];
+    s.v[2] = s.v[0]; /* shapes differ: caught as a shape error first */
+    TS_ERR(AA_CALL(s, steps), RP_ERR_INVALID_ARGUMENT, "exp_avg_sq 2");
+    s.v[2] = keep;
+    DLManagedTensor view = *s.p[2]; /* a view of param 2's first 37 elements, as grad 1 */
+    view.dl_tensor.shape = (int64_t *)&AA_SIZES[1];
+    view.deleter = NULL;
+    keep = s.g[1];
+    s.g[1] = &view;
+    TS_ERR(AA_CALL(s, steps), RP_ERR_INVALID_ARGUMENT, "grad 1", "overlaps");
+    s.g[1] = keep;
+
+    aa_assert_unchanged(&s, before, "bad input");
+    free(before);
+    ts_free(wrong_dtype);
+    ts_free(wrong_shape);
+    ts_free(wrong_rank);
+    ts_free(strided);
+    ts_free(on_gpu);
+    aa_free(&s);
+}
+
+/* Gradients are only read: two entries may share one; n_tensors 0 is a no-op. */
+static void adam_apply_allows_shared_gradients_and_empty_calls(void **state) {
+    (void)state;
+    TS_OK(rp_adam_apply(NULL, NULL, NULL, NULL, NULL, 0, 1e-3, 0.9, 0.999, 1e-8, 0, 0));
+    const int64_t n = 5;
+    const float w0[5] = {0.5f, -1.f, 2.f, 0.f, 3.f}, grad[5] = {1.f, -2.f, 0.5f, 0.f, -4.f};
+    DLManagedTensor *p[2] = {ts_f32(1, &n, w0), ts_f32(1, &n, w0)};
+    DLManagedTensor *g = ts_f32(1, &n, grad);
+    DLManagedTensor *m[2] = {ts_f32(1, &n, NULL), ts_f32(1, &n, NULL)};
+    DLManagedTensor *v[2] = {ts_f32(1, &n, NULL), ts_f32(1, &n, NULL)};
+    const DLManagedTensor *gs[2] = {g, g};
+    const int64_t steps[2] = {1, 1};
+    TS_OK(rp_adam_apply(p, gs, m, v, steps, 2, 0.1, 0.9, 0.999, 1e-8, 0, 0));
+    /* First step, no decay: w - lr * g / (|g| + eps') = w - 0.1 * sign(g) (g != 0). */
+    for (int k = 0; k < 2; ++k)
+        for (int j = 0; j < 5; ++j) {
+            float want = w0[j] - (grad[j] > 0 ? 0.1f : grad[j] < 0 ? -0.1f : 0.f);
+            assert_float_equal(aa_data(p[k])[j], want, 1e-6);
+        }
+    for (int j = 0; j < 5; ++j)
+        assert_true(aa_data(g)[j] == grad[j]); /* the gradient is not modified */
+    for (int k = 0; k < 2; ++k) {
+        ts_free(p[k]);
+        ts_free(m[k]);
+        ts_free(v[k]);
+    }
+    ts_free(g);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(adamw_matches_torch_formula_for_all_param_sizes),
@@ -296,6 +549,10 @@ int main(void) {
         cmocka_unit_test(sgd_momentum_and_weight_decay_match_torch_formula),
         cmocka_unit_test(sgd_defaults_are_plain_sgd_with_lr_1e_3),
         cmocka_unit_test(switching_optimizer_kind_is_a_state_error),
+        cmocka_unit_test(adam_apply_adamw_matches_torch_adamw_formula),
+        cmocka_unit_test(adam_apply_l2_matches_torch_adam_formula),
+        cmocka_unit_test(adam_apply_refuses_bad_input_before_writing_anything),
+        cmocka_unit_test(adam_apply_allows_shared_gradients_and_empty_calls),
     };
     return cmocka_run_group_tests_name("optimizer", tests, NULL, NULL);
 }

@@ -5,10 +5,13 @@
  * double) from the chain rule: for h = W1 x + b1, y = W2 h + b2 and dL/dy = g per row,
  * dW2 = sum g h^T, db2 = sum g, dh = W2^T g, dW1 = sum dh x^T, db1 = sum dh. fp32 engine against
  * double reference: 1e-5 relative (a few fp32 roundings of 4-term sums).
+ * rp_backward_input_grads adds dx = W1^T W2^T g per row, and two one-layer models chained
+ * through it must give the two-layer model's gradients.
  */
 #include "test_support.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { ROWS = 6, IN = 3, HID = 2, OUT = 2 };
@@ -164,11 +167,235 @@ static void a_step_between_forward_and_backward_is_refused(void **state) {
     rp_model_destroy(m);
 }
 
+/* dx = W1^T W2^T g per row, in double. */
+static void expected_input_grad(const float *g, double *dx) {
+    for (int r = 0; r < ROWS; ++r)
+        for (int i = 0; i < IN; ++i) {
+            double acc = 0;
+            for (int j = 0; j < HID; ++j) {
+                double dh = 0;
+                for (int k = 0; k < OUT; ++k)
+                    dh += (double)W2[k * HID + j] * g[r * OUT + k];
+                acc += (double)W1[j * IN + i] * dh;
+            }
+            dx[r * IN + i] = acc;
+        }
+}
+
+static void assert_close_f32(const DLTensor *t, const double *want, int64_t n, const char *what) {
+    assert_int_equal(ts_numel(t), n);
+    float *got = malloc(sizeof(float) * n);
+    ts_read_f32(t, got);
+    for (int64_t i = 0; i < n; ++i)
+        if (fabs(got[i] - want[i]) > 1e-5 * fmax(1.0, fabs(want[i])))
+            fail_msg("%s[%lld]: %.8g, expected %.8g", what, (long long)i, got[i], want[i]);
+    free(got);
+}
+
+/* x.grad over 3 microbatches (the pieces put back in row order), beside the same parameter
+ * gradients rp_backward gives; an integer input alongside gets no gradient (NULL). */
+static void backward_input_grads_gives_the_hand_computed_x_grad(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT}, ids_shape[] = {ROWS};
+    const int64_t ids[ROWS] = {0, 1, 2, 3, 4, 5};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    DLManagedTensor *extra = ts_i64(1, ids_shape, ids);
+    const DLManagedTensor *inputs[2] = {in, extra};
+    rp_run_config *cfg = ts_config(3, 0);
+    rp_tensor_list *outs = NULL, *dx = NULL;
+    TS_OK(rp_forward_train(&outs, m, inputs, 2, cfg));
+    TS_ERR(rp_backward_input_grads(NULL, m, (const DLManagedTensor *const *)&grad, 1),
+           RP_ERR_INVALID_ARGUMENT, "out_input_grads");
+    TS_OK(rp_backward_input_grads(&dx, m, (const DLManagedTensor *const *)&grad, 1));
+    size_t n = 0;
+    TS_OK(rp_tensor_list_size(&n, dx));
+    assert_int_equal(n, 2);
+    DLManagedTensor *dx0 = NULL, *dx1 = (DLManagedTensor *)1;
+    TS_OK(rp_tensor_list_get(&dx0, dx, 0));
+    TS_OK(rp_tensor_list_get(&dx1, dx, 1));
+    assert_null(dx1);
+    assert_int_equal(dx0->dl_tensor.ndim, 2);
+    assert_true(dx0->dl_tensor.shape[0] == ROWS && dx0->dl_tensor.shape[1] == IN);
+    double want_dx[ROWS * IN];
+    expected_input_grad(g, want_dx);
+    assert_close_f32(&dx0->dl_tensor, want_dx, ROWS * IN, "x.grad");
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g, want);
+    assert_grads(m, want);
+    ts_free(dx0);
+    rp_tensor_list_destroy(dx);
+    rp_tensor_list_destroy(outs);
+    rp_run_config_destroy(cfg);
+    ts_free(in);
+    ts_free(extra);
+    ts_free(grad);
+    rp_model_destroy(m);
+}
+
+static rp_model *single_linear(const char *spec, const float *w, int64_t nw, const float *b,
+                               int64_t nb) {
+    rp_model *m = ts_model(spec, 1, 1, NULL, 0);
+    ts_set_master(m, 0, w, nw);
+    ts_set_master(m, 1, b, nb);
+    return m;
+}
+
+/* Two models chained through gradients (A: x -> h, B: h -> y): B's input gradient is A's output
+ * gradient, and together they give the gradients of the two-layer model above. */
+static void two_models_chain_through_input_gradients(void **state) {
+    (void)state;
+    rp_model *a = single_linear("{\"layers\": [{\"type\": \"linear\", \"in\": 3, \"out\": 2}]}",
+                                W1, HID * IN, B1, HID);
+    rp_model *b = single_linear("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}]}",
+                                W2, OUT * HID, B2, OUT);
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_tensor_list *h = NULL, *y = NULL, *dh = NULL, *dx = NULL;
+    TS_OK(rp_forward_train(&h, a, (const DLManagedTensor *const *)&in, 1, cfg));
+    DLManagedTensor *h0 = NULL;
+    TS_OK(rp_tensor_list_get(&h0, h, 0));
+    TS_OK(rp_forward_train(&y, b, (const DLManagedTensor *const *)&h0, 1, cfg));
+    TS_OK(rp_backward_input_grads(&dh, b, (const DLManagedTensor *const *)&grad, 1));
+    DLManagedTensor *dh0 = NULL;
+    TS_OK(rp_tensor_list_get(&dh0, dh, 0));
+    TS_OK(rp_backward_input_grads(&dx, a, (const DLManagedTensor *const *)&dh0, 1));
+    DLManagedTensor *dx0 = NULL;
+    TS_OK(rp_tensor_list_get(&dx0, dx, 0));
+    double want[HID * IN + HID + OUT * HID + OUT], want_dx[ROWS * IN];
+    expected_grads(x, g, want);
+    expected_input_grad(g, want_dx);
+    assert_close_f32(&dx0->dl_tensor, want_dx, ROWS * IN, "x.grad");
+    assert_grads(a, want);                /* dW1, db1 */
+    assert_grads(b, want + HID * IN + HID); /* dW2, db2 */
+    ts_free(h0);
+    ts_free(dh0);
+    ts_free(dx0);
+    rp_tensor_list_destroy(h);
+    rp_tensor_list_destroy(y);
+    rp_tensor_list_destroy(dh);
+    rp_tensor_list_destroy(dx);
+    rp_run_config_destroy(cfg);
+    ts_free(in);
+    ts_free(grad);
+    rp_model_destroy(a);
+    rp_model_destroy(b);
+}
+
+/* Rows split by a callback, as the default split would (two halves). */
+static int32_t halves(DLManagedTensor **out_pieces, const DLManagedTensor *const *inputs,
+                      size_t n_inputs, int32_t num_microbatch, void *user_data) {
+    (void)user_data;
+    (void)n_inputs;
+    const DLTensor *t = &inputs[0]->dl_tensor;
+    const int64_t rows = t->shape[0] / num_microbatch, cols = t->shape[1];
+    float *all = malloc(sizeof(float) * ts_numel(t));
+    ts_read_f32(t, all);
+    for (int32_t m = 0; m < num_microbatch; ++m) {
+        const int64_t shape[2] = {rows, cols};
+        out_pieces[m] = ts_f32(2, shape, all + m * rows * cols);
+    }
+    free(all);
+    return 0;
+}
+
+static void input_grads_after_a_split_callback_are_refused_and_the_forward_kept(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    rp_run_config *cfg = ts_config(2, 0);
+    TS_OK(rp_run_config_set_split_callback(cfg, halves, NULL));
+    rp_tensor_list *outs = NULL, *dx = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, cfg));
+    TS_ERR(rp_backward_input_grads(&dx, m, (const DLManagedTensor *const *)&grad, 1),
+           RP_ERR_INVALID_ARGUMENT, "split callback");
+    assert_null(dx);
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g, want);
+    assert_grads(m, want);
+    rp_tensor_list_destroy(outs);
+    rp_run_config_destroy(cfg);
+    ts_free(in);
+    ts_free(grad);
+    rp_model_destroy(m);
+}
+
+static void assert_plan(rp_model *m, const int32_t *want, int32_t n) {
+    int32_t got[8] = {0}, count = 0;
+    TS_OK(rp_model_stage_plan(got, &count, 8, m));
+    assert_int_equal(count, n);
+    for (int32_t s = 0; s < n; ++s)
+        assert_int_equal(got[s], want[s]);
+}
+
+/* rp_model_set_stage_plan: the plan of a live model changes (one stage, then back to two) and
+ * training on each gives the hand-computed gradients; bad plans, and a switch while a forward
+ * awaits its backward, are refused with the plan unchanged; NULL returns to the planner. */
+static void stage_plan_switches_at_runtime_and_gradients_stay_exact(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    const int32_t two[] = {1, 1}, one[] = {2}, zero[] = {0, 2}, three[] = {1, 1, 1};
+    assert_plan(m, two, 2);
+    TS_ERR(rp_model_set_stage_plan(m, zero, 2), RP_ERR_INVALID_ARGUMENT, "at least one");
+    TS_ERR(rp_model_set_stage_plan(m, three, 3), RP_ERR_INVALID_ARGUMENT, "3 stages");
+    TS_ERR(rp_model_set_stage_plan(m, NULL, 1), RP_ERR_INVALID_ARGUMENT, "NULL");
+    TS_ERR(rp_model_set_stage_plan(NULL, one, 1), RP_ERR_INVALID_ARGUMENT, "model");
+    assert_plan(m, two, 2);
+    TS_OK(rp_model_set_stage_plan(m, one, 1));
+    assert_plan(m, one, 1);
+
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    rp_tensor_list *outs = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, NULL));
+    TS_ERR(rp_model_set_stage_plan(m, two, 2), RP_ERR_STATE, "backward");
+    assert_plan(m, one, 1);
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g, want);
+    assert_grads(m, want);
+    rp_tensor_list_destroy(outs);
+
+    TS_OK(rp_zero_grad(m));
+    TS_OK(rp_model_set_stage_plan(m, two, 2));
+    assert_plan(m, two, 2);
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, NULL));
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    assert_grads(m, want);
+    rp_tensor_list_destroy(outs);
+
+    TS_OK(rp_model_set_stage_plan(m, NULL, 0)); /* the automatic planner: every layer covered */
+    int32_t counts[8] = {0}, n = 0;
+    TS_OK(rp_model_stage_plan(counts, &n, 8, m));
+    int32_t total = 0;
+    for (int32_t s = 0; s < n; ++s)
+        total += counts[s];
+    assert_int_equal(total, 2);
+    ts_free(in);
+    ts_free(grad);
+    rp_model_destroy(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(merged_outputs_back_propagate_to_the_hand_computed_gradients),
         cmocka_unit_test(unmerged_outputs_take_one_gradient_per_microbatch),
+        cmocka_unit_test(backward_input_grads_gives_the_hand_computed_x_grad),
+        cmocka_unit_test(two_models_chain_through_input_gradients),
+        cmocka_unit_test(input_grads_after_a_split_callback_are_refused_and_the_forward_kept),
         cmocka_unit_test(a_step_between_forward_and_backward_is_refused),
+        cmocka_unit_test(stage_plan_switches_at_runtime_and_gradients_stay_exact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

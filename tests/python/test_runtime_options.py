@@ -60,3 +60,30 @@ def test_trace_has_one_compute_event_per_job_and_microbatch():
 def test_bad_scaler_settings_raise_with_the_engine_message():
     with pytest.raises(roundpipe.RoundPipeError, match="growth_interval"):
         roundpipe.RoundPipe(MLP_SPEC, devices=("cpu", 1), grad_scaler=(2.0, 0))
+
+
+def test_engine_scaler_and_skip_rule_switch_on_a_live_model():
+    """RoundPipe.set_grad_scaler / set_skip_nonfinite_steps (rp_model_set_grad_scaler,
+    rp_model_set_skip_nonfinite_steps): the scale reads back, an overflow with skipping off
+    reaches the weights, and bad values raise RoundPipeError naming the argument."""
+    import torch
+    import roundpipe
+    torch.manual_seed(0)
+    model = roundpipe.RoundPipe(torch.nn.Sequential(torch.nn.Linear(4, 2)), devices=("cpu", 1))
+    assert model.grad_scale[0] == 0.0
+    model.set_grad_scaler(512.0, 10)
+    assert model.grad_scale == (512.0, 0)
+    with pytest.raises(roundpipe.RoundPipeError, match="growth_interval"):
+        model.set_grad_scaler(2.0, 0)
+    with pytest.raises(roundpipe.RoundPipeError, match="scale"):
+        model.set_grad_scaler(-1.0)
+    assert model.grad_scale == (512.0, 0)
+    model.set_grad_scaler(0.0)
+    model.set_skip_nonfinite_steps(False)
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    model.forward_backward((x,), label=torch.zeros(3, 2), loss_fn="mse")
+    model.step(roundpipe.optim.SGD(lr=0.1), is_async=False)
+    model.synchronize()
+    assert not torch.isfinite(next(model.optim_parameters())).all()
+    model.close()

@@ -3,9 +3,9 @@ Execution Plan section of API_run_config): ModelExecutePlan, RoundPipeRunConfig(
 ModelExecutePlan.auto, the validation rules, on CPU worker devices against plain PyTorch.
 
 The engine holds one stage plan per model, used by forward and backward alike: plans whose
-backward stages are the forward ones reversed run (model-level, or per call when they are the
-plan in force); asymmetric plans and per-call re-plans raise RoundPipeUnsupportedError naming
-execute_plan (roundpipe/execute_plan.py says why)."""
+backward stages are the forward ones reversed run (model-level, or per call: the engine switches
+its stages for the call); asymmetric plans raise RoundPipeUnsupportedError naming execute_plan
+(roundpipe/execute_plan.py says why)."""
 
 import copy
 
@@ -139,18 +139,25 @@ def test_auto_with_several_models_gives_one_plan_each_and_they_chain():
         assert float(loss) == pytest.approx(float(want), rel=RTOL)
 
 
-def test_a_per_call_plan_other_than_the_plan_in_force_is_unsupported():
+def test_a_per_call_plan_runs_that_call_on_its_stages_then_the_model_plan_returns():
+    """A per-call plan other than the model's switches the engine's stages for that call
+    (rp_model_set_stage_plan) and trains as PyTorch; the next call without one runs on the
+    model's own plan again; RoundPipe.set_stage_plan changes the model's own plan."""
     net = four_layers()
     with RoundPipe(net, devices=DEVICES, stage_plan=[2, 1, 1]) as model:
         other = ModelExecutePlan()
         other.fwd_plan = [range(0, 1), range(1, 3)]
         other.bwd_plan = [range(3, 4), range(1, 3), range(0, 1)]
-        with pytest.raises(RoundPipeUnsupportedError, match="execute_plan") as err:
-            model.forward_backward(input_args=(torch.randn(6, 8),), label=torch.randn(6, 4),
-                                   loss_fn=loss_fn,
-                                   run_config=RoundPipeRunConfig(execute_plan=other))
-        assert isinstance(err.value, NotImplementedError)
-        check_training(model, net)  # still usable
+        check_training(model, net, RoundPipeRunConfig(execute_plan=other))
+        assert model.stage_plan() == [1, 2, 1]
+        check_training(model, net)
+        assert model.stage_plan() == [2, 1, 1]
+        model.set_stage_plan([1, 3])
+        check_training(model, net)
+        assert model.stage_plan() == [1, 3]
+        with pytest.raises(RoundPipeError, match="covers"):
+            model.set_stage_plan([1, 1])
+        assert model.stage_plan() == [1, 3]
 
 
 def test_upstreams_asymmetric_examples_are_unsupported_naming_execute_plan():

@@ -281,3 +281,48 @@ def test_plain_torch_loop_behaves_as_torch_amp():
             s.update()
         assert sa.get_scale() == sb.get_scale()
     torch.testing.assert_close(a.weight, b.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_step_fn_always_runs_once_a_grad_scaler_serves_the_model(caplog, dtype):
+    """Upstream: step_fn always runs and scaler.step(optimizer) skips optimizer.step() on an
+    overflow. The first step served by a GradScaler switches the engine's loss scaler (on by
+    default for fp16) and its skip_nonfinite_steps rule (on by default) off on the live model;
+    an overflow later runs step_fn, leaves the weights bitwise unchanged, is logged by the
+    GradScaler and halves its scale at update()."""
+    model = roundpipe.RoundPipe(net(4).to(dtype), optim_dtype=torch.float32,
+                                devices=("cpu", 1))
+    assert (model.grad_scale[0] > 0) == (dtype == torch.float16)
+    with OptimizerCtx():
+        optimizer = Adam(model.parameters(), lr=1e-3)
+    scaler = GradScaler(init_scale=256.0)
+    caplog.set_level(logging.WARNING, logger="roundpipe")
+    ran = []
+
+    def step_fn():
+        ran.append(True)
+        scaler.step(optimizer)
+        optimizer.zero_grad()
+
+    for it in range(4):
+        x, y = data(it)
+        poison = float("inf") if it == 2 else 1.0
+        model.forward_backward(
+            input_args=(x.to(dtype),), label=y,
+            loss_fn=lambda o, l, p=poison: scaler.scale(mse(o.float(), l) * p) / N_MB)
+        if it == 2:
+            model.synchronize()
+            before = [p.detach().clone() for p in model.optim_parameters()]
+        model.step(step_fn, is_async=False)
+        scaler.update()
+        if it == 0:
+            assert model.grad_scale[0] == 0.0  # handed over: the engine no longer scales
+        if it == 2:
+            model.synchronize()
+            for p, b in zip(model.optim_parameters(), before):
+                assert torch.equal(p.detach(), b)
+            assert scaler.get_scale() == 128.0
+    assert len(ran) == 4  # every step_fn ran, the overflowing one included
+    assert any("optimizer.step() skipped" in r.getMessage() for r in caplog.records)
+    assert model.nonfinite_counts()[1] == 0  # the engine skipped nothing itself
+    model.close()

@@ -138,3 +138,103 @@ def test_compatibility_placeholders_and_limits():
     q.grad = torch.ones(2)
     Adam([q], lr=torch.tensor(0.1)).step()
     assert torch.allclose(q.detach(), torch.full((2,), 0.9))
+
+
+def _standalone(seed, shapes):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_runs_the_engine_kernel_and_matches_torch_adam(monkeypatch, decoupled):
+    """Without a model: two parameter groups (own lr, betas, weight decay), a parameter whose
+    gradient is None at one step (its step count lags, as torch's does), an lr scheduler, and
+    a state dict that torch.optim.Adam loads and continues from. torch's own step is patched
+    to fail, so every update here is rp_adam_apply's."""
+    shapes = [(70001,), (7, 13), (1,)]
+    ours, ref = _standalone(1, shapes), _standalone(1, shapes)
+
+    def groups(ps):
+        return [{"params": ps[:2], "lr": 1e-2, "weight_decay": 0.05},
+                {"params": ps[2:], "lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6}]
+
+    opt = Adam(groups(ours), decoupled_weight_decay=decoupled)
+    ref_opt = torch.optim.Adam(groups(ref), decoupled_weight_decay=decoupled, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    real_torch_step = torch.optim.Adam.step
+
+    def torch_step_fails(*args, **kwargs):
+        pytest.fail("torch.optim.Adam.step ran")
+
+    for it in range(5):
+        g = torch.Generator().manual_seed(50 + it)
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            if it == 1 and i == 1:
+                p.grad = q.grad = None  # no gradient this step
+                continue
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        monkeypatch.setattr(torch.optim.Adam, "step", torch_step_fails)
+        opt.step()
+        monkeypatch.setattr(torch.optim.Adam, "step", real_torch_step)
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        for p, q in zip(ours, ref):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+    sd = opt.state_dict()
+    ref_sd = ref_opt.state_dict()
+    for k in ref_sd["state"]:
+        assert float(sd["state"][k]["step"]) == float(ref_sd["state"][k]["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sd["state"][k][key], ref_sd["state"][k][key],
+                                       rtol=RTOL, atol=ATOL)
+    assert float(sd["state"][1]["step"]) == 4.0  # skipped once
+    # torch.optim.Adam continues from our state dict as from its own
+    again = _standalone(1, shapes)
+    for p, q in zip(again, ours):
+        p.data.copy_(q.detach())
+    cont = torch.optim.Adam(groups(again), decoupled_weight_decay=decoupled)
+    cont.load_state_dict(copy.deepcopy(sd))  # torch would share our state tensors
+    for p, q in zip(again, ref):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    cont.step()
+    ref_opt.step()
+    for p, q in zip(again, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+    # and ours continues from torch's: load_state_dict brings new state tensors, which the
+    # DLPack views kept between steps must follow
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    for p, q in zip(ours, ref):
+        p.data.copy_(q.detach())
+        p.grad = torch.full_like(p, 0.5)
+        q.grad = p.grad.clone()
+    monkeypatch.setattr(torch.optim.Adam, "step", torch_step_fails)
+    opt.step()
+    monkeypatch.setattr(torch.optim.Adam, "step", real_torch_step)
+    ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_adam_refused_update_changes_nothing():
+    """A gradient that shares memory with a weight being updated is refused by rp_adam_apply
+    (RoundPipeError naming the entry) before any tensor or step count of the group changes."""
+    ps = _standalone(2, [(5,), (3,)])
+    opt = Adam(ps, lr=0.1)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    state = copy.deepcopy(opt.state_dict())
+    ps[1].grad = ps[0].detach()[:3]  # contiguous, the right shape, inside param 0
+    with pytest.raises(roundpipe.RoundPipeError, match="grad 1 overlaps param 0"):
+        opt.step()
+    for p, b in zip(ps, before):
+        assert torch.equal(p.detach(), b)
+    after = opt.state_dict()
+    for k in state["state"]:
+        for key, v in state["state"][k].items():
+            assert torch.equal(after["state"][k][key], v)

@@ -23,8 +23,10 @@ def forward_call(method: F) -> F:
         self.handle  # raises when closed
         if torch.is_grad_enabled() and self.training and packed_requiring_grad(args, kwargs):
             raise RoundPipeUnsupportedError(
-                "args / kwargs: a RoundPipePackedData input requires grad, and the engine "
-                "returns no gradients for a call's inputs, so backward would stop at this model; "
+                "args / kwargs: a RoundPipePackedData input requires grad; packed inputs reach "
+                "the engine through a split_input function, whose pieces it cannot put back "
+                "together into input gradients, so backward would stop at this model; pass the "
+                "first model's merged output (merge_output=True) to chain with gradients, or "
                 "make the input under torch.no_grad() or with the first model in eval()")
         args, kwargs, config = chained_call(args, kwargs, roundpipe_run_config,
                                             self.model_run_config)

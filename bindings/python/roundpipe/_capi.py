@@ -332,12 +332,18 @@ def _declare_model(fn):
     fn("rp_model_num_devices", st, [P(c_int32), rp_model_p])         # rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
     fn("rp_model_stage_plan", st,
        [P(c_int32), P(c_int32), c_int32, rp_model_p])                # rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
+    fn("rp_model_set_stage_plan", st,
+       [rp_model_p, P(c_int32), c_size_t])                           # rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
     fn("rp_model_resolve_run_config", st,
        [P(rp_run_config_p), rp_model_p, rp_run_config_p])            # rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
     fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);
     fn("rp_model_grad_scale", st, [P(c_double), P(c_int64), rp_model_p])  # rp_status rp_model_grad_scale(double *out_scale, int64_t *out_skipped_steps, const rp_model *model);
     fn("rp_model_nonfinite_counts", st,
        [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_skipped_steps, const rp_model *model);
+    fn("rp_model_set_grad_scaler", st,
+       [rp_model_p, c_double, c_int32])                              # rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale, int32_t growth_interval);
+    fn("rp_model_set_skip_nonfinite_steps", st,
+       [rp_model_p, c_int32])                                        # rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
     fn("rp_model_host_state_bytes", st,
        [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);
@@ -375,6 +381,8 @@ def _declare_calls(fn):
         rp_run_config_p])                                            # rp_status rp_forward_train(rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const rp_run_config *config);
     fn("rp_backward", st,
        [rp_model_p, P(c_void_p), c_size_t])                          # rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
+    fn("rp_backward_input_grads", st,
+       [P(rp_tensor_list_p), rp_model_p, P(c_void_p), c_size_t])     # rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
     fn("rp_forward_backward", st,
        [P(c_double), P(rp_tensor_list_p), rp_model_p, P(c_void_p), c_size_t, c_void_p,
         rp_loss_p, rp_run_config_p])                                 # rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const DLManagedTensor *labels, const rp_loss *loss, const rp_run_config *config);
@@ -391,6 +399,9 @@ def _declare_calls(fn):
        [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_weight_decay(rp_optimizer *optimizer, double weight_decay);
     fn("rp_optimizer_set_momentum", st,
        [rp_optimizer_p, c_double])                                   # rp_status rp_optimizer_set_momentum(rp_optimizer *optimizer, double momentum);
+    fn("rp_adam_apply", st,
+       [P(c_void_p), P(c_void_p), P(c_void_p), P(c_void_p), P(c_int64), c_size_t, c_double,
+        c_double, c_double, c_double, c_double, c_int32])             # rp_status rp_adam_apply(DLManagedTensor *const *params, const DLManagedTensor *const *grads, DLManagedTensor *const *exp_avgs, DLManagedTensor *const *exp_avg_sqs, const int64_t *steps, size_t n_tensors, double lr, double beta1, double beta2, double eps, double weight_decay, int32_t decoupled_weight_decay);
     fn("rp_step", st, [rp_model_p, rp_optimizer_p, c_int32])         # rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
     fn("rp_step_callback", st,
        [rp_model_p, rp_step_fn, c_void_p, c_int32])                  # rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int32_t is_async);

@@ -580,6 +580,12 @@ class Model(Owned):
         L.rp_model_stage_plan(counts, byref(n), len(counts), self.handle)
         return list(counts[:n.value])
 
+    def set_stage_plan(self, counts):
+        """``rp_model_set_stage_plan``: layers per stage (empty: the automatic planner)."""
+        counts = [int(c) for c in counts]
+        array = (c_int32 * max(1, len(counts)))(*counts)
+        lib().rp_model_set_stage_plan(self.handle, array if counts else None, len(counts))
+
     def resolve_run_config(self, call=None):
         """The :class:`RunConfig` a call with `call` (a RunConfig or None) would use."""
         return RunConfig(lib().rp_model_resolve_run_config, self.handle,
@@ -607,6 +613,14 @@ class Model(Owned):
     def backward(self, grads):
         """``rp_backward`` on BorrowedInputs of the output gradients (NULL entries allowed)."""
         lib().rp_backward(self.handle, grads.array, grads.count)
+
+    def backward_input_grads(self, grads):
+        """``rp_backward_input_grads``: as backward, returning the gradient of every input of
+        the training forward (torch tensors in host memory; None where the engine gives
+        none)."""
+        with TensorList(lib().rp_backward_input_grads, self.handle, grads.array,
+                        grads.count) as lst:
+            return [from_owned(p) if p else None for p in lst.pointers()]
 
     def forward_backward(self, inputs, label, loss, config, want_outputs):
         """``rp_forward_backward``; `label` a DLManagedTensor* or None. Returns (loss sum,

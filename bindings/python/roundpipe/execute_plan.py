@@ -14,14 +14,17 @@ stage s holds the next ``layers_per_stage[s]`` layers. ``forward()`` runs every 
   by that tail.
 
 What the engine cannot do, and the error it gets (:class:`RoundPipeUnsupportedError`, which is
-also a ``NotImplementedError``, naming ``execute_plan``):
+also a ``NotImplementedError``, naming ``execute_plan``): backward stages that differ from the
+forward ones (upstream's asymmetric plans, such as the 4-layer examples of its page with two
+forward stages and four backward ones). The engine's backward recomputes the forward's stages,
+deepest first, each from the input the forward kept for it: a backward stage that starts inside
+a forward stage has no kept input to start from.
 
-- backward stages that differ from the forward ones (upstream's asymmetric plans, such as the
-  4-layer examples of its page with two forward stages and four backward ones);
-- a per-call plan other than the plan in force: the stage plan is fixed when the model is built.
-  Give it as the model-level ``RoundPipe(model, model_run_config=RoundPipeRunConfig(
-  execute_plan=plan))``; a per-call plan equal to the plan in force (``ModelExecutePlan.auto``
-  returns it) is accepted.
+A per-call plan (``RoundPipeRunConfig(execute_plan=plan)`` on one call) switches the engine's
+stage plan for that call (``rp_model_set_stage_plan``) and back to the model's own plan at the
+next call without one; ``RoundPipe.set_stage_plan`` changes the model's own plan. A training
+``forward()`` whose backward has not run yet keeps its plan: switching then raises
+RoundPipeError (STATE) until ``loss.backward()`` has run.
 
 A plan that breaks upstream's validation rules (layers not covered exactly once, forward not
 ascending, backward not descending, the fused rule) raises :class:`RoundPipeError`
@@ -285,15 +288,11 @@ def check_model_plan(model: "RoundPipe") -> None:
 
 def check_call_plan(model: "RoundPipe", run_config: Optional[object], run_type: RunType) -> None:
     """A per-call execute_plan must be valid for the call (`run_type`: "fused" for
-    forward_backward(), "infer" for forward()) and be the engine's plan in force."""
+    forward_backward(), "infer" for forward()); the engine switches to it for the call
+    (``rp_model_set_stage_plan``) and back to the model's own plan at the next call without
+    one."""
     plan = getattr(run_config, "execute_plan", None)
     if plan is None:
+        model._use_call_plan(None)
         return
-    counts = plan.stage_plan(model.num_layers, run_type)
-    current = model.stage_plan()
-    if counts != current:
-        raise RoundPipeUnsupportedError(
-            "execute_plan: this call asks for %r layers per stage, the model runs %r; the "
-            "engine's stage plan is fixed when the model is built (rp_model_options_set_stage_"
-            "plan): give the plan as RoundPipe(model, model_run_config=RoundPipeRunConfig("
-            "execute_plan=plan)) or stage_plan=%r" % (counts, current, counts))
+    model._use_call_plan(plan.stage_plan(model.num_layers, run_type))

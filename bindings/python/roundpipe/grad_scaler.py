@@ -29,21 +29,17 @@ How the asynchronous pieces fit:
   multiply it by ``growth_factor``. Every skip is logged at WARNING on the ``"roundpipe"``
   logger; every scale change at INFO.
 
-The engine's own loss scaler (``RoundPipe(grad_scaler=...)``, on by default for float16 models):
-
-- on a model where it is **off** (``grad_scaler=False``; the default for bf16 / fp32 models)
-  this scaler does all the scaling, exactly as ``torch.amp.GradScaler``. If the engine skips a
-  step itself (``skip_nonfinite_steps=True``, the default, skips a step whose gradients hold
-  inf or nan before ``step_fn`` runs), the binding notices that ``step_fn`` did not run, logs a
-  warning, and reports the step to the scaler as an overflow (the scale backs off). Pass
-  ``skip_nonfinite_steps=False`` to have ``step_fn`` run anyway (``scaler.step`` then skips only
-  ``optimizer.step()``, as with torch).
-- on a model where it is **on** (float16 models by default) the engine scales the gradients
-  (its scale, its schedule, unscaled as they accumulate), so scaling twice would overflow:
-  ``scale()`` then multiplies the loss value only (the reported loss reads as upstream's:
-  ``loss / scaler.get_scale()`` is the real loss) but not its gradient, ``unscale_()`` finds the
-  gradients already unscaled (it still checks them), and a step the engine skips for overflow
-  (``step_fn`` does not run) is logged and lowers this scaler's scale as any skipped step does.
+The engine's own loss scaler (``RoundPipe(grad_scaler=...)``, on by default for float16 models)
+and its ``skip_nonfinite_steps`` rule (on by default) would skip a step with inf / nan gradients
+before ``step_fn`` runs. Upstream's ``step_fn`` always runs and ``scaler.step(optimizer)``
+decides, so the first ``RoundPipe.step(step_fn)`` after a GradScaler has scaled the model's
+losses switches both off on the live model (``rp_model_set_skip_nonfinite_steps``,
+``rp_model_set_grad_scaler``), before that step is queued. From then on this scaler does all
+the scaling, exactly as ``torch.amp.GradScaler``. The steps before the hand-over (the losses of
+the first iteration, on a model whose engine scaler was on) were scaled by the engine: for them
+``scale()`` multiplied the loss value only and ``unscale_()`` finds the gradients already
+unscaled (it still checks them). A step the engine skipped before the hand-over (``step_fn``
+did not run) is logged and lowers this scaler's scale as any skipped step does.
 """
 
 from __future__ import annotations
@@ -483,6 +479,14 @@ class StepTracker:
         self._scalers: "weakref.WeakSet[GradScaler]" = weakref.WeakSet()
         self._pending: List[_StepContext] = []
         self._count = 0
+        # RoundPipe.step() has switched the engine's loss scaler and non-finite skipping off
+        # because a GradScaler serves the model (every step_fn runs from then on).
+        self.handed_over = False
+
+    def has_scalers(self) -> bool:
+        """A GradScaler (enabled) has scaled this model's losses."""
+        with self._lock:
+            return any(s._enabled for s in self._scalers)
 
     def add_scaler(self, scaler: GradScaler) -> None:
         with self._lock:

@@ -8,8 +8,9 @@ structure, split specs, custom merges) lives in ``_microbatch`` and ``config``.
 """
 
 import json
+import logging
 from ctypes import c_int64
-from typing import Any, Callable, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from ._args import (LOSSES, BuiltinLoss, HostStateBytes, builtin_loss, call_site
 from ._callbacks import StepCall, registry
 from ._capi import kDLCPU
 from ._dlpack import BorrowedInputs
-from ._forward_autograd import PendingBackward, connect
+from ._forward_autograd import PendingBackward, connect, inputs_wanting_grad
 from ._internals import CallScope, Loss, Model, ModelOptions, Params, RunConfig
 from ._call_hooks import forward_backward_call, forward_call
 from ._microbatch import (RoundPipePackedData, builtin_label_dim, call_inputs, merge_outputs,
@@ -37,6 +38,8 @@ from ._tree_call import layer_call, tree_inputs, tree_outputs
 from .optim import BuiltinOptimizer
 from .grad_scaler import StepTracker
 from ._weights import WeightsMixin
+
+logger = logging.getLogger("roundpipe")
 
 __all__ = ["RoundPipe", "BuiltinLoss", "HostStateBytes", "RoundPipePackedData", "spec_json"]
 
@@ -116,6 +119,10 @@ class RoundPipe(WeightsMixin):
             grad_scaler=parse_grad_scaler(grad_scaler),
             stage_plan=model_stage_plan(stage_plan, model_run_config.execute_plan),
             skip_nonfinite_steps=bool(skip_nonfinite_steps))
+        # The model's own plan (None: the planner's), restored after a call with a plan of its
+        # own (execute_plan.check_call_plan).
+        self._model_plan = options["stage_plan"]
+        self._plan_overridden = False
         # The engine gets the model-level fields it holds and overlays each call's on them; the
         # Python-only ones (split specs, custom merges) are overlaid by call_fields() per call.
         self._python_layers = source.converted.python_layers if source.converted else []
@@ -311,6 +318,27 @@ class RoundPipe(WeightsMixin):
         times)."""
         return self._model.stage_plan()
 
+    def set_stage_plan(self, layers_per_stage: Optional[Sequence[int]]) -> None:
+        """Replace the model's stage plan (``rp_model_set_stage_plan``): stage s holds the next
+        ``layers_per_stage[s]`` layers; None returns to the automatic planner. It becomes the
+        model's own plan (what calls without a per-call ``execute_plan`` run)."""
+        counts = [] if layers_per_stage is None else [int(c) for c in layers_per_stage]
+        self._model.set_stage_plan(counts)
+        self._model_plan = counts or None
+        self._plan_overridden = False
+
+    def _use_call_plan(self, counts: Optional[List[int]]) -> None:
+        """Run the next call on `counts` (a per-call execute_plan), or on the model's own plan
+        again (None) after a call that had one."""
+        if counts is None:
+            if self._plan_overridden:
+                self._model.set_stage_plan(self._model_plan or [])
+                self._plan_overridden = False
+            return
+        if counts != self._model.stage_plan():
+            self._model.set_stage_plan(counts)
+            self._plan_overridden = True
+
     @property
     def model_run_config(self):
         return self._run_config
@@ -403,7 +431,9 @@ class RoundPipe(WeightsMixin):
         model.handle  # raises when closed
         py = self._run_config.call_fields(roundpipe_run_config)
         tensors, dims, split_call, tree = self._call_inputs(args, kwargs, py)
-        train = self.training and torch.is_grad_enabled() and self._has_trainable_parameters()
+        wanted = inputs_wanting_grad(tensors) if torch.is_grad_enabled() else []
+        train = self.training and torch.is_grad_enabled() and \
+            (self._has_trainable_parameters() or bool(wanted))
         with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
                                               training=train) as state:
             split = scope.split_callback(split_call)
@@ -413,8 +443,10 @@ class RoundPipe(WeightsMixin):
                 outputs = scope.run(model.forward, BorrowedInputs(tensors), config)
                 return self._outputs(outputs.to_torch(), py, resolved, merge, state)
             outputs = scope.run(model.forward_train, BorrowedInputs(tensors), config)
-            pending = PendingBackward(self._engine_backward(state))
-            return self._outputs(connect(outputs.to_torch(), pending), py, resolved, merge,
+            pending = PendingBackward(self._engine_backward(state), wants_inputs=bool(wanted))
+            connected = connect(outputs.to_torch(), pending, [tensors[i] for i in wanted],
+                                wanted)
+            return self._outputs(connected, py, resolved, merge,
                                  state)
 
     def _has_trainable_parameters(self):
@@ -422,10 +454,13 @@ class RoundPipe(WeightsMixin):
 
     def _engine_backward(self, state):
         """rp_backward for a training forward whose Python-layer call state is `state`."""
-        def run(grads):
+        def run(grads, wants_inputs=False):
             with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope,
                                                   None, True, state=state):
+                if wants_inputs:
+                    return scope.run(self._model.backward_input_grads, grads)
                 scope.run(self._model.backward, grads)
+                return None
         return run
 
     __call__ = forward
@@ -545,10 +580,13 @@ class RoundPipe(WeightsMixin):
         optimizer is the memory-saving path there (bf16 moments, no copies).
 
         step_fn runs inside :class:`roundpipe.OptimizerCtx`; a :class:`roundpipe.GradScaler`
-        used in it unscales with the scale this step's gradients were made with. A step the
-        engine skips (inf / nan gradients: ``skip_nonfinite_steps``, or its fp16 loss scaler)
-        does not run step_fn: a warning is logged on the "roundpipe" logger and GradScalers
-        count it as an overflow.
+        used in it unscales with the scale this step's gradients were made with. Once a
+        GradScaler has scaled this model's losses, step() hands inf / nan handling to it for
+        good (the engine's ``skip_nonfinite_steps`` and its fp16 loss scaler are switched off
+        before the step is queued): every step_fn runs and ``scaler.step(optimizer)`` skips
+        ``optimizer.step()`` on an overflow, as upstream documents. Without a GradScaler, a
+        step the engine skips (inf / nan gradients: ``skip_nonfinite_steps``, or its fp16 loss
+        scaler) does not run step_fn: a warning is logged on the "roundpipe" logger.
 
         Async (default): returns at once; the next forward_backward runs on the weights from
         before this step (staleness one). An exception raised by an async step_fn is re-raised
@@ -568,7 +606,13 @@ class RoundPipe(WeightsMixin):
                 model.step(step_fn, is_async)
                 self._steps.settle(latest_done=True)
             elif callable(step_fn):
+                handover = self._steps.has_scalers() and not self._steps.handed_over
+                if handover:  # before the step: this step_fn must run, overflow or not
+                    self._hand_nonfinite_steps_to_scalers()
                 call = self._steps.begin_step(step_fn, args, kwargs, is_async)
+                if handover:  # later losses: the GradScaler scales their gradients too
+                    self._steps.handed_over = True
+                    self._steps.engine_scaled = False
                 key = registry.add(StepCall(params, call, (), {}))
                 try:
                     model.step_callback(key, is_async)
@@ -584,6 +628,31 @@ class RoundPipe(WeightsMixin):
         except RoundPipeError as err:
             failure = err
         self._raise_step_failure(failure)
+
+    def set_grad_scaler(self, initial_scale: float, growth_interval: int = 2000) -> None:
+        """Switch the engine's dynamic loss scaling (the constructor's ``grad_scaler``) on this
+        live model: ``initial_scale`` > 0 (re)starts it with that scale, 0 turns it off. Steps
+        already queued finish first with the old setting. A :class:`roundpipe.GradScaler`
+        turns it off by itself (see :meth:`step`)."""
+        self._model.call("model_set_grad_scaler", float(initial_scale), int(growth_interval))
+        if not self._steps.handed_over:
+            self._steps.engine_scaled = float(initial_scale) > 0
+
+    def set_skip_nonfinite_steps(self, skip: bool) -> None:
+        """Skip (True, the default at construction) or run (False) a step whose gradients
+        hold inf or nan, from the next step on (the queued ones finish first)."""
+        self._model.call("model_set_skip_nonfinite_steps", int(bool(skip)))
+
+    def _hand_nonfinite_steps_to_scalers(self) -> None:
+        """A roundpipe.GradScaler serves this model's steps: from now on the engine neither
+        scales losses nor skips steps for inf / nan gradients, so every step_fn runs and
+        GradScaler.step() decides whether optimizer.step() runs, as upstream documents."""
+        model = self._model
+        model.call("model_set_skip_nonfinite_steps", 0)
+        if self._steps.engine_scaled:
+            model.call("model_set_grad_scaler", 0.0, 1)
+            logger.info("%s: a GradScaler serves this model: the engine's loss scaler is off "
+                        "from now on (the GradScaler scales)", self._name)
 
     def synchronize(self):
         """Wait for every pending step and publish the latest weights. Afterwards the

@@ -27,11 +27,14 @@ Hyperparameters are validated by the engine when set (RoundPipeError).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from ctypes import c_int64, c_void_p
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
+import torch.utils.dlpack
 
 from . import _capi
+from ._dlpack import _DLTENSOR, _api
 from ._internals import Optimizer
 from .errors import RoundPipeUnsupportedError
 
@@ -45,15 +48,18 @@ class Adam(torch.optim.Adam):
     """Upstream's ``roundpipe.optim.Adam``: Adam (AdamW with ``decoupled_weight_decay=True``)
     on CPU in fp32, over ``optim_parameters()``, for use inside ``step_fn``.
 
-    The interface is ``torch.optim.Adam``'s (a drop-in replacement); the update is torch's
-    fused CPU Adam kernel (vectorised, multi-threaded over all parameters at once), which is
-    as fast as the engine's built-in AdamW (see the README for the measurement). State dicts
-    are ``torch.optim.Adam``'s.
+    The interface is ``torch.optim.Adam``'s (a drop-in replacement); the update is the engine's
+    own AdamW kernel (``rp_adam_apply``: the code the built-in :class:`AdamW` runs, vectorised
+    and split over the optimizer thread's OpenMP threads, ``RP_OPTIMIZER_THREADS`` included),
+    one C call per parameter group. State dicts are ``torch.optim.Adam``'s (``step``,
+    ``exp_avg``, ``exp_avg_sq`` per parameter), so one saved by ``torch.optim.Adam`` loads here
+    and the other way round.
 
-    ``foreach`` and ``fused`` are accepted for compatibility and ignored with a warning;
-    ``capturable=True`` and ``differentiable=True`` are not supported (RoundPipeUnsupportedError).
-    Every parameter must be a contiguous float32 CPU tensor and gradients must be dense
-    (ValueError naming the parameter otherwise).
+    ``amsgrad=True`` and ``maximize=True`` are supported through torch's fused CPU kernel
+    instead (slower). ``foreach`` and ``fused`` are accepted for compatibility and ignored with a
+    warning; ``capturable=True`` and ``differentiable=True`` are not supported
+    (RoundPipeUnsupportedError). Every parameter must be a contiguous float32 CPU tensor and
+    gradients must be dense (ValueError naming the parameter otherwise).
     """
 
     def __init__(self, params: ParamsT, lr: Union[float, torch.Tensor] = 1e-3,
@@ -75,6 +81,8 @@ class Adam(torch.optim.Adam):
         if differentiable:
             raise RoundPipeUnsupportedError("roundpipe.optim.Adam: differentiable=True is not "
                                             "supported")
+        # fused=True: torch's fused CPU kernel is the fallback for amsgrad / maximize, and its
+        # state layout (a float32 step tensor per parameter) is the one kept here.
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, maximize=maximize, fused=True,
                          decoupled_weight_decay=decoupled_weight_decay)
@@ -87,19 +95,100 @@ class Adam(torch.optim.Adam):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One Adam update of every parameter with a gradient."""
+        if any(g["amsgrad"] or g["maximize"] for g in self.param_groups):
+            self._check_grads()
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _check_grads(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise ValueError("roundpipe.optim.Adam does not support sparse gradients")
-                if g.dtype != torch.float32 or g.device.type != "cpu":
-                    raise ValueError("roundpipe.optim.Adam: gradients must be float32 CPU "
-                                     "tensors, got %s on %s" % (g.dtype, g.device))
-                if not g.is_contiguous():
-                    p.grad = g.contiguous()
-        return super().step(closure)
+                if p.grad is not None:
+                    _checked_grad(p)
+
+    def _step_group(self, group: Dict[str, Any]) -> None:
+        """One rp_adam_apply over the parameters of `group` that have a gradient. The step
+        counts advance only once the call succeeded (a refused call changes nothing)."""
+        params, grads, exp_avgs, exp_avg_sqs, counters = [], [], [], [], []
+        state_of = self.state
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse or not g.is_contiguous():
+                g = _checked_grad(p)
+            state = state_of[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if not (m.is_contiguous() and v.is_contiguous()):  # e.g. from a loaded state dict
+                m = state["exp_avg"] = m.contiguous()
+                v = state["exp_avg_sq"] = v.contiguous()
+            params.append(p)
+            grads.append(g)
+            exp_avgs.append(m)
+            exp_avg_sqs.append(v)
+            counters.append(state["step"])
+        if not params:
+            return
+        steps = [int(round(s)) + 1 for s in torch.stack(counters).tolist()]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        keep = []  # the capsules own the DLPack views of the gradients until the call returns
+        fixed = self._fixed_arrays(group, params, exp_avgs, exp_avg_sqs)
+        _capi.lib().rp_adam_apply(fixed[0], _dlpack_array(grads, keep), fixed[1], fixed[2],
+                                  (c_int64 * len(steps))(*steps), len(steps),
+                                  float(group["lr"]), beta1, beta2, float(group["eps"]),
+                                  float(group["weight_decay"]),
+                                  int(bool(group.get("decoupled_weight_decay", False))))
+        torch._foreach_add_(counters, 1.0)
+
+    def _fixed_arrays(self, group: Dict[str, Any], params: List[torch.Tensor],
+                      exp_avgs: List[torch.Tensor], exp_avg_sqs: List[torch.Tensor]) -> Any:
+        """The DLPack arrays of the weights and moments of `group`, kept from one step to the
+        next while they are the same tensors (they are updated in place): only the gradients
+        need new views each step. The cache holds its tensors, so their ids stay unique."""
+        key = tuple(id(t) for ts in (params, exp_avgs, exp_avg_sqs) for t in ts)
+        cache = self.__dict__.setdefault("_rp_arrays", {})
+        entry = cache.get(id(group))
+        if entry is None or entry[0] != key:
+            keep: List[Any] = []
+            arrays = tuple(_dlpack_array(ts, keep) for ts in (params, exp_avgs, exp_avg_sqs))
+            entry = cache[id(group)] = (key, arrays, keep, group)
+        return entry[1]
+
+
+def _dlpack_array(tensors: List[torch.Tensor], keep: List[Any]) -> Any:
+    """A ``DLManagedTensor *[n]`` of zero-copy DLPack views of `tensors`; their capsules are
+    appended to `keep`, which must outlive the C call."""
+    to_dlpack = torch.utils.dlpack.to_dlpack
+    pointer = _api.PyCapsule_GetPointer
+    ptrs = []
+    for t in tensors:
+        capsule = to_dlpack(t.detach())
+        keep.append(capsule)
+        ptrs.append(pointer(capsule, _DLTENSOR))
+    return (c_void_p * len(ptrs))(*ptrs)
+
+
+def _checked_grad(p: torch.Tensor) -> torch.Tensor:
+    """p.grad, dense, float32, on the CPU and contiguous (made so, and stored back, if not)."""
+    g = p.grad
+    if g.is_sparse:
+        raise ValueError("roundpipe.optim.Adam does not support sparse gradients")
+    if g.dtype != torch.float32 or g.device.type != "cpu":
+        raise ValueError("roundpipe.optim.Adam: gradients must be float32 CPU "
+                         "tensors, got %s on %s" % (g.dtype, g.device))
+    if not g.is_contiguous():
+        p.grad = g = g.contiguous()
+    return g
 
 
 def _check_param(p: torch.Tensor) -> None:

@@ -483,6 +483,12 @@ rp_model_stage_plan(out_layers_per_stage, out_num_stages, capacity, model) =
           (Ptr{Int32}, Ptr{Int32}, Int32, Ptr{rp_model}),
           out_layers_per_stage, out_num_stages, capacity, model)
 
+# rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
+rp_model_set_stage_plan(model, layers_per_stage, n) =
+    ccall((:rp_model_set_stage_plan, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Ptr{Int32}, Csize_t),
+          model, layers_per_stage, n)
+
 # rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
 rp_model_resolve_run_config(out_config, model, call) =
     ccall((:rp_model_resolve_run_config, libroundpipe()), rp_status,
@@ -506,6 +512,18 @@ rp_model_nonfinite_counts(out_nonfinite_losses, out_skipped_steps, model) =
     ccall((:rp_model_nonfinite_counts, libroundpipe()), rp_status,
           (Ptr{Int64}, Ptr{Int64}, Ptr{rp_model}),
           out_nonfinite_losses, out_skipped_steps, model)
+
+# rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale, int32_t growth_interval);
+rp_model_set_grad_scaler(model, initial_scale, growth_interval) =
+    ccall((:rp_model_set_grad_scaler, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Cdouble, Int32),
+          model, initial_scale, growth_interval)
+
+# rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
+rp_model_set_skip_nonfinite_steps(model, skip) =
+    ccall((:rp_model_set_skip_nonfinite_steps, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Int32),
+          model, skip)
 
 # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
 rp_model_gpu_memory_cap(out_bytes, model) =
@@ -677,6 +695,12 @@ rp_backward(model, output_grads, n_grads) =
     ccall((:rp_backward, libroundpipe()), rp_status,
           (Ptr{rp_model}, Ptr{Ptr{DLManagedTensor}}, Csize_t), model, output_grads, n_grads)
 
+# rp_status rp_backward_input_grads(rp_tensor_list **out_input_grads, rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads);
+rp_backward_input_grads(out_input_grads, model, output_grads, n_grads) =
+    ccall((:rp_backward_input_grads, libroundpipe()), rp_status,
+          (Ptr{Ptr{rp_tensor_list}}, Ptr{rp_model}, Ptr{Ptr{DLManagedTensor}}, Csize_t),
+          out_input_grads, model, output_grads, n_grads)
+
 # rp_status rp_forward_backward(double *out_loss, rp_tensor_list **out_outputs, rp_model *model, const DLManagedTensor *const *inputs, size_t n_inputs, const DLManagedTensor *labels, const rp_loss *loss, const rp_run_config *config);
 rp_forward_backward(out_loss, out_outputs, model, inputs, n_inputs, labels, loss, config) =
     ccall((:rp_forward_backward, libroundpipe()), rp_status,
@@ -725,6 +749,16 @@ rp_optimizer_set_momentum(optimizer, momentum) =
     ccall((:rp_optimizer_set_momentum, libroundpipe()), rp_status,
           (Ptr{rp_optimizer}, Cdouble),
           optimizer, momentum)
+
+# rp_status rp_adam_apply(DLManagedTensor *const *params, const DLManagedTensor *const *grads, DLManagedTensor *const *exp_avgs, DLManagedTensor *const *exp_avg_sqs, const int64_t *steps, size_t n_tensors, double lr, double beta1, double beta2, double eps, double weight_decay, int32_t decoupled_weight_decay);
+rp_adam_apply(params, grads, exp_avgs, exp_avg_sqs, steps, n_tensors, lr, beta1, beta2, eps,
+              weight_decay, decoupled_weight_decay) =
+    ccall((:rp_adam_apply, libroundpipe()), rp_status,
+          (Ptr{Ptr{DLManagedTensor}}, Ptr{Ptr{DLManagedTensor}}, Ptr{Ptr{DLManagedTensor}},
+           Ptr{Ptr{DLManagedTensor}}, Ptr{Int64}, Csize_t, Cdouble, Cdouble, Cdouble, Cdouble,
+           Cdouble, Int32),
+          params, grads, exp_avgs, exp_avg_sqs, steps, n_tensors, lr, beta1, beta2, eps,
+          weight_decay, decoupled_weight_decay)
 
 # rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
 rp_step(model, optimizer, is_async) =

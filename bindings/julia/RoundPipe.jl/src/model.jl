@@ -124,6 +124,16 @@ function stage_plan(m::Model)
     return Int.(plan)
 end
 
+"Replace the stage plan (layers per stage; empty: the automatic planner)."
+function set_stage_plan!(m::Model, layers_per_stage::AbstractVector{<:Integer})
+    plan = Int32[c for c in layers_per_stage]
+    GC.@preserve plan begin
+        @check L.rp_model_set_stage_plan(_ptr(m), isempty(plan) ? Ptr{Int32}(C_NULL) :
+                                         pointer(plan), Csize_t(length(plan)))
+    end
+    return m
+end
+
 """
     resolve_run_config(model, config=nothing) -> RunConfig
 
@@ -167,6 +177,23 @@ function nonfinite_counts(m::Model)
     losses, skipped = Ref{Int64}(0), Ref{Int64}(0)
     @check L.rp_model_nonfinite_counts(losses, skipped, _ptr(m))
     return (nonfinite_losses=Int(losses[]), skipped_steps=Int(skipped[]))
+end
+
+"""
+    set_grad_scaler!(m, initial_scale, growth_interval=2000)
+
+Switch dynamic loss scaling on (`initial_scale` > 0, a fresh schedule) or off (0) on a live
+model; steps already queued finish first with the old setting.
+"""
+function set_grad_scaler!(m::Model, initial_scale::Real, growth_interval::Integer=2000)
+    @check L.rp_model_set_grad_scaler(_ptr(m), Float64(initial_scale), Int32(growth_interval))
+    return m
+end
+
+"Skip (true) or run (false) steps whose gradients hold inf or nan, from the next step on."
+function set_skip_nonfinite_steps!(m::Model, skip::Bool)
+    @check L.rp_model_set_skip_nonfinite_steps(_ptr(m), Int32(skip))
+    return m
 end
 
 # A call taking the model and a path. It synchronizes first, so step callbacks may run on the

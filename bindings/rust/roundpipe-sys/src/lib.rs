@@ -417,6 +417,11 @@ extern "C" {
         capacity: i32,
         model: *const rp_model,
     ) -> rp_status;
+    pub fn rp_model_set_stage_plan(
+        model: *mut rp_model,
+        layers_per_stage: *const i32,
+        n: usize,
+    ) -> rp_status;
     pub fn rp_model_resolve_run_config(
         out_config: *mut *mut rp_run_config,
         model: *const rp_model,
@@ -428,6 +433,12 @@ extern "C" {
         out_skipped_steps: *mut i64,
         model: *const rp_model,
     ) -> rp_status;
+    pub fn rp_model_set_grad_scaler(
+        model: *mut rp_model,
+        initial_scale: c_double,
+        growth_interval: i32,
+    ) -> rp_status;
+    pub fn rp_model_set_skip_nonfinite_steps(model: *mut rp_model, skip: i32) -> rp_status;
     pub fn rp_model_nonfinite_counts(
         out_nonfinite_losses: *mut i64,
         out_skipped_steps: *mut i64,
@@ -551,6 +562,12 @@ extern "C" {
         output_grads: *const *const DLManagedTensor,
         n_grads: usize,
     ) -> rp_status;
+    pub fn rp_backward_input_grads(
+        out_input_grads: *mut *mut rp_tensor_list,
+        model: *mut rp_model,
+        output_grads: *const *const DLManagedTensor,
+        n_grads: usize,
+    ) -> rp_status;
     pub fn rp_forward_backward(
         out_loss: *mut c_double,
         out_outputs: *mut *mut rp_tensor_list,
@@ -578,6 +595,20 @@ extern "C" {
     ) -> rp_status;
     pub fn rp_optimizer_set_momentum(optimizer: *mut rp_optimizer, momentum: c_double)
         -> rp_status;
+    pub fn rp_adam_apply(
+        params: *const *mut DLManagedTensor,
+        grads: *const *const DLManagedTensor,
+        exp_avgs: *const *mut DLManagedTensor,
+        exp_avg_sqs: *const *mut DLManagedTensor,
+        steps: *const i64,
+        n_tensors: usize,
+        lr: c_double,
+        beta1: c_double,
+        beta2: c_double,
+        eps: c_double,
+        weight_decay: c_double,
+        decoupled_weight_decay: i32,
+    ) -> rp_status;
     pub fn rp_step(
         model: *mut rp_model,
         optimizer: *const rp_optimizer,

@@ -15,7 +15,7 @@ use crate::layer::{LayerDef, LayerState, ParamKind};
 use crate::loss::{panic_message, Loss};
 use crate::optim::Optimizer;
 use crate::tensor::{borrowed_managed, AsDlpack, DlTensor};
-use crate::tensor_list::take_list;
+use crate::tensor_list::{take_list, take_list_optional};
 
 /// A model: layers, host parameter store, optimizer state, device workers and threads.
 ///
@@ -297,6 +297,29 @@ impl Model {
         Ok(n)
     }
 
+    /// The loss scale (0 when loss scaling is off) and the steps skipped so far for inf or
+    /// nan gradients (`rp_model_grad_scale`).
+    pub fn grad_scale(&self) -> Result<(f64, i64)> {
+        let (mut scale, mut skipped) = (0.0, 0i64);
+        check(unsafe { sys::rp_model_grad_scale(&mut scale, &mut skipped, self.ptr.as_ptr()) })?;
+        Ok((scale, skipped))
+    }
+
+    /// Switch dynamic loss scaling on this model (`initial_scale` > 0, restarting the schedule)
+    /// or off (0), as `ModelOptions::set_grad_scaler` does at creation. Steps already queued
+    /// finish first, with the old setting (`rp_model_set_grad_scaler`).
+    pub fn set_grad_scaler(&mut self, initial_scale: f64, growth_interval: i32) -> Result<()> {
+        check(unsafe {
+            sys::rp_model_set_grad_scaler(self.ptr.as_ptr(), initial_scale, growth_interval)
+        })
+    }
+
+    /// Skip (true) or run (false) steps whose gradients hold inf or nan, from the next step on
+    /// (`rp_model_set_skip_nonfinite_steps`).
+    pub fn set_skip_nonfinite_steps(&mut self, skip: bool) -> Result<()> {
+        check(unsafe { sys::rp_model_set_skip_nonfinite_steps(self.ptr.as_ptr(), skip as i32) })
+    }
+
     /// Number of optimizer steps enqueued so far.
     pub fn step_count(&self) -> Result<i64> {
         let mut n = 0;
@@ -318,6 +341,19 @@ impl Model {
         })?;
         plan.truncate(n.max(0) as usize);
         Ok(plan)
+    }
+
+    /// Replace the stage plan (`rp_model_set_stage_plan`): stage `s` holds the next
+    /// `layers_per_stage[s]` layers; an empty slice returns to the automatic planner. Refused
+    /// (plan unchanged) for bad counts, or while a `forward_train` awaits its `backward`.
+    pub fn set_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<()> {
+        check(unsafe {
+            sys::rp_model_set_stage_plan(
+                self.ptr.as_ptr(),
+                layers_per_stage.as_ptr(),
+                layers_per_stage.len(),
+            )
+        })
     }
 
     /// The run configuration a call given `call` would use: the model's configuration
@@ -427,6 +463,34 @@ impl Model {
         // SAFETY: the gradients are borrowed for the call and outlive it.
         check(unsafe { sys::rp_backward(self.ptr.as_ptr(), ptrs.as_ptr(), ptrs.len()) })
             .map_err(|e| self.with_layer_details(e))
+    }
+
+    /// `backward` that also returns the gradient of every input of the last `forward_train`
+    /// (`rp_backward_input_grads`): one per input, in its shape and dtype; `None` for inputs
+    /// that are not floating point or that no layer reads. Chains models: the input gradients
+    /// of one are the output gradients of the model that produced its inputs.
+    pub fn backward_input_grads(
+        &mut self,
+        output_grads: &[Option<&dyn AsDlpack>],
+    ) -> Result<Vec<Option<DlTensor>>> {
+        let present: Vec<&dyn AsDlpack> = output_grads.iter().flatten().copied().collect();
+        let managed = borrowed_managed(&present);
+        let mut next = managed.iter();
+        let ptrs: Vec<*const sys::DLManagedTensor> = output_grads
+            .iter()
+            .map(|g| match g {
+                Some(_) => next.next().map_or(ptr::null(), |m| m as *const _),
+                None => ptr::null(),
+            })
+            .collect();
+        self.clear_layer_errors();
+        let mut list = ptr::null_mut();
+        // SAFETY: the gradients are borrowed for the call and outlive it; list is an out-pointer.
+        check(unsafe {
+            sys::rp_backward_input_grads(&mut list, self.ptr.as_ptr(), ptrs.as_ptr(), ptrs.len())
+        })
+        .map_err(|e| self.with_layer_details(e))?;
+        take_list_optional(list)
     }
 
     /// Training: forward, loss and backward of every microbatch in one pipelined pass. Returns

@@ -5,6 +5,7 @@ use std::ptr::NonNull;
 use roundpipe_sys as sys;
 
 use crate::error::{check, Error, Result};
+use crate::tensor::{borrowed_managed, AsDlpack, Tensor};
 
 /// Built-in optimizers; both run on the CPU over fp32 master weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,4 +100,84 @@ impl Drop for Optimizer {
         // SAFETY: owned handle, destroyed once.
         unsafe { sys::rp_optimizer_destroy(self.ptr.as_ptr()) }
     }
+}
+
+/// Hyperparameters of [`adam_apply`], as `torch.optim.Adam`'s (the defaults are its defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// `true`: AdamW's decoupled weight decay; `false`: L2 (added to what the moments see).
+    pub decoupled_weight_decay: bool,
+}
+
+impl Default for AdamHyper {
+    fn default() -> AdamHyper {
+        AdamHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+        }
+    }
+}
+
+/// One parameter of [`adam_apply`]: the weight and both moments (float32, the weight's shape)
+/// are updated in place; `step` is the 1-based number of this update.
+#[derive(Debug)]
+pub struct AdamEntry<'a> {
+    pub param: &'a mut Tensor,
+    pub grad: &'a Tensor,
+    pub exp_avg: &'a mut Tensor,
+    pub exp_avg_sq: &'a mut Tensor,
+    pub step: i64,
+}
+
+/// One Adam update of tensors you own, with the engine's kernel (`rp_adam_apply`): what
+/// `torch.optim.Adam` computes for each entry at its step. Every entry is checked first; on
+/// error no tensor has changed.
+pub fn adam_apply(entries: &mut [AdamEntry<'_>], hyper: &AdamHyper) -> Result<()> {
+    crate::ensure_abi()?;
+    let mut params = Vec::with_capacity(entries.len());
+    let mut exp_avgs = Vec::with_capacity(entries.len());
+    let mut exp_avg_sqs = Vec::with_capacity(entries.len());
+    let mut steps = Vec::with_capacity(entries.len());
+    for e in entries.iter_mut() {
+        params.push(e.param.borrowed_mut());
+        exp_avgs.push(e.exp_avg.borrowed_mut());
+        exp_avg_sqs.push(e.exp_avg_sq.borrowed_mut());
+        steps.push(e.step);
+    }
+    let grads_in: Vec<&dyn AsDlpack> = entries.iter().map(|e| e.grad as &dyn AsDlpack).collect();
+    let grads = borrowed_managed(&grads_in);
+    let mut_ptrs = |v: &mut Vec<sys::DLManagedTensor>| -> Vec<*mut sys::DLManagedTensor> {
+        v.iter_mut().map(|m| m as *mut _).collect()
+    };
+    let p = mut_ptrs(&mut params);
+    let m = mut_ptrs(&mut exp_avgs);
+    let v = mut_ptrs(&mut exp_avg_sqs);
+    let g: Vec<*const sys::DLManagedTensor> = grads.iter().map(|t| t as *const _).collect();
+    // SAFETY: every struct and the memory it describes is borrowed (the written ones mutably)
+    // for the duration of the call; the arrays hold entries.len() pointers each.
+    check(unsafe {
+        sys::rp_adam_apply(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            steps.as_ptr(),
+            steps.len(),
+            hyper.lr,
+            hyper.beta1,
+            hyper.beta2,
+            hyper.eps,
+            hyper.weight_decay,
+            hyper.decoupled_weight_decay as i32,
+        )
+    })
 }

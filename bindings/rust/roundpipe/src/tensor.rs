@@ -278,6 +278,18 @@ impl Tensor {
         }
     }
 
+    /// A DLPack struct (no deleter) through which the library may write this tensor's
+    /// elements, valid while the `&mut` borrow lasts.
+    pub(crate) fn borrowed_mut(&mut self) -> sys::DLManagedTensor {
+        let mut t = self.raw();
+        t.data = self.words.as_mut_ptr() as *mut c_void;
+        sys::DLManagedTensor {
+            dl_tensor: t,
+            manager_ctx: ptr::null_mut(),
+            deleter: None,
+        }
+    }
+
     /// Move this tensor into a heap DLPack struct whose deleter frees it (for handing a tensor
     /// to the library for good, as a loss callback's gradient).
     pub(crate) fn into_managed(self) -> *mut sys::DLManagedTensor {

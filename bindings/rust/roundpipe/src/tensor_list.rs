@@ -12,6 +12,14 @@ use crate::tensor::{borrowed_managed, AsDlpack, DlTensor, Tensor, TensorView};
 
 /// The tensors of an output list (new references the caller owns); the list is freed.
 pub(crate) fn take_list(list: *mut sys::rp_tensor_list) -> Result<Vec<DlTensor>> {
+    take_list_optional(list)?
+        .into_iter()
+        .map(|t| t.ok_or_else(|| Error::new(Status::Internal, "NULL output tensor")))
+        .collect()
+}
+
+/// As `take_list`, for lists with NULL entries (`None`).
+pub(crate) fn take_list_optional(list: *mut sys::rp_tensor_list) -> Result<Vec<Option<DlTensor>>> {
     struct Guard(*mut sys::rp_tensor_list);
     impl Drop for Guard {
         fn drop(&mut self) {
@@ -26,11 +34,8 @@ pub(crate) fn take_list(list: *mut sys::rp_tensor_list) -> Result<Vec<DlTensor>>
     for i in 0..n {
         let mut t = ptr::null_mut();
         check(unsafe { sys::rp_tensor_list_get(&mut t, guard.0, i) })?;
-        // SAFETY: a new reference owned by the caller.
-        out.push(
-            unsafe { DlTensor::from_raw(t) }
-                .ok_or_else(|| Error::new(Status::Internal, "NULL output tensor"))?,
-        );
+        // SAFETY: a new reference owned by the caller, or NULL.
+        out.push(unsafe { DlTensor::from_raw(t) });
     }
     Ok(out)
 }

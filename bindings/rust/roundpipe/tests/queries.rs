@@ -35,6 +35,21 @@ fn stage_plan_equals_the_explicit_plan_of_the_options() {
 }
 
 #[test]
+fn stage_plan_set_at_runtime_reads_back_and_bad_plans_change_nothing() {
+    let mut model = Model::new(SPEC, Some(&options(2))).unwrap();
+    model.set_stage_plan(&[1, 3]).unwrap();
+    assert_eq!(model.stage_plan().unwrap(), vec![1, 3]);
+    let e = model.set_stage_plan(&[1, 1]).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(e.message().contains("covers"), "{}", e.message());
+    let e = model.set_stage_plan(&[0, 4]).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert_eq!(model.stage_plan().unwrap(), vec![1, 3]);
+    model.set_stage_plan(&[]).unwrap(); // the planner again: every layer once
+    assert_eq!(model.stage_plan().unwrap().iter().sum::<i32>(), 4);
+}
+
+#[test]
 fn planner_stage_plan_covers_every_layer_once() {
     for devices in [1, 2, 3] {
         let model = Model::new(SPEC, Some(&options(devices))).unwrap();
