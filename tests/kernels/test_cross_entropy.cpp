@@ -16,6 +16,7 @@
 // - bf16 / fp16 gradients are rounded once from that fp32 value: half an ulp, 2^-8 (bf16) or
 //   2^-11 (fp16) relative, plus the fp32 difference above (relative and absolute), which may
 //   flip a rounding; fp16 adds 2^-24 absolute for its subnormals (probabilities below 6e-5).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -43,8 +44,19 @@ struct Tolerance {
     double atol;
 };
 
-Tolerance grad_tolerance(at::ScalarType dtype) {
-    const double fp32_rtol = 4e-6, fp32_atol = std::ldexp(1.0, -20);
+// log(sum of exp) over a row of `vocab` logits in fp32: the sum's rounding error grows like a
+// random walk, about eps * sqrt(vocab) relative (2 eps sqrt(vocab) allows twice that), and the
+// log turns it into the same absolute error in the loss and relative error in every gradient
+// element (softmax = exp(x - log sum)). The float64 reference has none of it. ATen's own fp32
+// cross entropy on the CPU is off by 1e-5 on 151,936 logits.
+double sum_error(int64_t vocab) {
+    return 2.0 * std::ldexp(1.0, -24) * std::sqrt(static_cast<double>(std::max<int64_t>(1, vocab)));
+}
+
+Tolerance loss_tolerance(int64_t vocab) { return {2e-6, 2e-6 + sum_error(vocab)}; }
+
+Tolerance grad_tolerance(at::ScalarType dtype, int64_t vocab) {
+    const double fp32_rtol = 4e-6 + sum_error(vocab), fp32_atol = std::ldexp(1.0, -20);
     switch (dtype) {
     case at::kBFloat16:
         return {std::ldexp(1.0, -8) + fp32_rtol, fp32_atol};
@@ -69,12 +81,23 @@ struct Reference {
     at::Tensor grad; // [n, vocab] fp32
 };
 
+// ATen's cross entropy and its autograd gradient in float64 on the CPU: exact to far below the
+// fp32 rounding the kernel is held to, whatever order either sums in.
 Reference reference(const at::Tensor &logits, const at::Tensor &targets) {
-    at::Tensor x = logits.to(at::kCPU, at::kFloat).detach().requires_grad_(true);
+    at::Tensor x = logits.to(at::kCPU, at::kDouble).detach().requires_grad_(true);
     at::Tensor loss =
         at::cross_entropy_loss(x, targets.to(at::kCPU), {}, at::Reduction::None, kIgnore);
     loss.sum().backward();
     return {loss.detach(), x.grad()};
+}
+
+// On a failed loss check: each row's loss, the kernel's against the reference's.
+void print_rows(const at::Tensor &got, const at::Tensor &want) {
+    at::Tensor g = got.to(at::kCPU, at::kDouble), w = want.to(at::kCPU, at::kDouble);
+    for (int64_t i = 0; i < g.numel(); ++i)
+        std::printf("  row %lld: kernel %.9g reference %.9g difference %.3g\n",
+                    static_cast<long long>(i), g[i].item<double>(), w[i].item<double>(),
+                    g[i].item<double>() - w[i].item<double>());
 }
 
 at::Device test_device() {
@@ -129,13 +152,15 @@ void check_case(int64_t n, int64_t vocab, at::ScalarType dtype, at::Device devic
     at::Tensor loss_only = rp::kernels::cross_entropy_(logits, targets, kIgnore, false);
     check(at::equal(logits.cpu(), before.cpu()),
           name(dtype, n, vocab, what + " loss only kept the logits"));
-    const Tolerance loss_tol{2e-6, 2e-6};
+    const Tolerance loss_tol = loss_tolerance(vocab);
     check(worst_ratio(loss_only, ref.loss, loss_tol) <= 1.0,
           name(dtype, n, vocab, what + " loss (no gradient) matches at::cross_entropy"));
 
     at::Tensor loss = rp::kernels::cross_entropy_(logits, targets, kIgnore, true);
     const double lr = worst_ratio(loss, ref.loss, loss_tol);
-    const double gr = worst_ratio(logits, ref.grad, grad_tolerance(dtype));
+    if (lr > 1.0)
+        print_rows(loss, ref.loss);
+    const double gr = worst_ratio(logits, ref.grad, grad_tolerance(dtype, vocab));
     check(lr <= 1.0, name(dtype, n, vocab,
                           what + " loss matches at::cross_entropy, ratio " + std::to_string(lr)));
     check(gr <= 1.0,
@@ -144,9 +169,13 @@ void check_case(int64_t n, int64_t vocab, at::ScalarType dtype, at::Device devic
     // Rounded once: for low precision the result equals the rounded fp32 reference almost
     // everywhere (a rounding may only flip where the fp32 values differ in their last bits).
     if (dtype != at::kFloat) {
-        at::Tensor rounded = ref.grad.to(dtype);
-        const double differ = logits.cpu().ne(rounded).to(at::kDouble).mean().item<double>();
-        check(differ <= 1e-3, name(dtype, n, vocab,
+        // The fp32 gradient rounded once: what the kernel writes, but for a flip at a tie,
+        // which a few elements may show however small the case (so never fewer than 2).
+        at::Tensor rounded = ref.grad.to(at::kFloat).to(dtype);
+        const double flips = logits.cpu().ne(rounded).sum().item<double>();
+        const double differ = flips / static_cast<double>(std::max<int64_t>(1, logits.numel()));
+        check(flips <= std::max(2.0, 1e-3 * static_cast<double>(logits.numel())),
+              name(dtype, n, vocab,
                                    what +
                                        " gradient equals the once-rounded "
                                        "reference except at rare ties, " +
@@ -161,8 +190,9 @@ void check_all_ignored(at::ScalarType dtype, at::Device device) {
     at::Tensor targets = at::full({5}, kIgnore, at::TensorOptions(at::kLong).device(device));
     at::Tensor loss = rp::kernels::cross_entropy_(logits, targets, kIgnore, true);
     const Reference ref = reference(make_logits(5, 37, dtype, device, 0), targets);
-    check(at::equal(loss.cpu(), ref.loss), name(dtype, 5, 37, "all-ignored rows: loss 0"));
-    check(at::equal(logits.cpu().to(at::kFloat), ref.grad),
+    check(at::equal(loss.cpu(), ref.loss.to(at::kFloat)),
+          name(dtype, 5, 37, "all-ignored rows: loss 0"));
+    check(at::equal(logits.cpu().to(at::kFloat), ref.grad.to(at::kFloat)),
           name(dtype, 5, 37, "all-ignored rows: gradient 0"));
 }
 
@@ -174,8 +204,9 @@ void check_masked_logits(at::Device device) {
     at::Tensor targets = at::tensor({3, 45, 0, 9}, at::kLong).to(device);
     const Reference ref = reference(logits, targets);
     at::Tensor loss = rp::kernels::cross_entropy_(logits, targets, kIgnore, true);
-    check(worst_ratio(loss, ref.loss, {2e-6, 2e-6}) <= 1.0, "-inf logits: loss");
-    check(worst_ratio(logits, ref.grad, grad_tolerance(at::kFloat)) <= 1.0, "-inf logits: grad");
+    check(worst_ratio(loss, ref.loss, loss_tolerance(50)) <= 1.0, "-inf logits: loss");
+    check(worst_ratio(logits, ref.grad, grad_tolerance(at::kFloat, 50)) <= 1.0,
+          "-inf logits: grad");
 }
 
 void check_bad_target(at::Device device) {
@@ -239,9 +270,10 @@ void check_large_offsets(at::Device device) {
     at::Tensor tail = logits.narrow(0, n - 3, 3).clone();
     const Reference ref = reference(tail, targets.narrow(0, n - 3, 3));
     at::Tensor loss = rp::kernels::cross_entropy_(logits, targets, kIgnore, true);
-    check(worst_ratio(loss.narrow(0, n - 3, 3), ref.loss, {2e-6, 2e-6}) <= 1.0,
+    check(worst_ratio(loss.narrow(0, n - 3, 3), ref.loss, loss_tolerance(vocab)) <= 1.0,
           "rows past 2^31 elements: loss");
-    check(worst_ratio(logits.narrow(0, n - 3, 3), ref.grad, grad_tolerance(at::kBFloat16)) <= 1.0,
+    check(worst_ratio(logits.narrow(0, n - 3, 3), ref.grad, grad_tolerance(at::kBFloat16, vocab)) <=
+              1.0,
           "rows past 2^31 elements: gradient");
     std::printf("ok bf16 [%lld, %lld]: rows past 2^31 elements\n", static_cast<long long>(n),
                 static_cast<long long>(vocab));
