@@ -57,6 +57,7 @@ BUILDER = _load_model_builder()
 
 # Kinds of kernels, by name; the first pattern that matches wins.
 KINDS = [
+    ("ours", re.compile(r"rp::kernels")),  # src/kernels: fused RMSNorm, RoPE, SwiGLU, loss
     ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitk", re.I)),
     ("reduction", re.compile(r"reduce|norm|softmax|logsumexp|scan", re.I)),
