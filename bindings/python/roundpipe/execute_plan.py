@@ -1,9 +1,11 @@
 """ModelExecutePlan: upstream's execution plan, mapped onto the engine's stage plan.
 
 Upstream's plan names the layers of each forward stage (``fwd_plan``) and of each backward
-stage (``bwd_plan``) separately, per call. The engine holds one stage plan per model
-(``rp_model_options_set_stage_plan`` at creation, read back with ``rp_model_stage_plan``):
-stage s holds the next ``layers_per_stage[s]`` layers. ``forward()`` runs every stage forward;
+stage (``bwd_plan``) separately, per call. The engine runs a call on one stage plan: an explicit
+one (``rp_model_options_set_stage_plan`` at creation, ``rp_model_set_stage_plan`` later), else
+the planner's for the call's shape (activation memory depends on the tokens per microbatch);
+``rp_model_stage_plan`` reads back the last call's. Stage s holds the next
+``layers_per_stage[s]`` layers. ``forward()`` runs every stage forward;
 ``forward_backward()`` runs stages 0..S-2 forward, fuses forward, loss and backward of the last
 (tail) stage, then runs backward over stages S-1..0. So a plan maps onto the engine when
 
