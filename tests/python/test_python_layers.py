@@ -411,6 +411,45 @@ def test_save_for_recompute_replays_forward_data():
     model.close()
 
 
+class SometimesScaled(nn.Module):
+    """Multiplies by `scale` only for a microbatch whose first input is positive, so `scale` can
+    get its gradient from earlier microbatches and none from the last one."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * self.scale if bool(x[0, 0] > 0) else y
+
+
+def test_gradient_from_earlier_microbatches_only():
+    # The engine sends a stage's gradients off the device as autograd finalises them during the
+    # last microbatch's backward: what it sends must be the sum over every microbatch, also for
+    # a parameter to which the last microbatch contributes nothing.
+    torch.manual_seed(0)
+    net = nn.Sequential(SometimesScaled(8), nn.Linear(8, 1))
+    ref = copy.deepcopy(net)
+    model = roundpipe.RoundPipe(net, devices=DEVICES)
+    x = torch.randn(6, 8)
+    x[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0, -1.0])  # only microbatch 0 scales
+    loss = model.forward_backward((x,), loss_fn=lambda o, lab: o.square().mean())
+    want = 0.0
+    for xm in split(x):
+        mb = ref(xm).square().mean()
+        mb.backward()
+        want += float(mb)
+    assert float(loss) == pytest.approx(want, rel=RTOL)
+    assert ref[0].scale.grad is not None and ref[0].scale.grad.abs().sum() > 0
+    model.synchronize()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: "%s: %s" % (name, m))
+    model.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # Frozen layers
 # ------------------------------------------------------------------------------------------------
