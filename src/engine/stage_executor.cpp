@@ -172,20 +172,6 @@ class FinalGradients {
     int64_t bytes_ = 0;
 };
 
-// Without hooks (a job that back-propagated nothing through its leaves): one group, after all of
-// the job's compute.
-void download_grads(CallContext &ctx, const StageWeights &w, DeviceLane &lane, size_t job) {
-    at::NoGradGuard no_grad;
-    std::vector<std::pair<size_t, at::Tensor>> grads;
-    std::vector<at::Tensor> sums;
-    for (const auto &leaf : w.leaves)
-        if (leaf.second.grad().defined()) {
-            grads.emplace_back(leaf.first, leaf.second.grad());
-            sums.push_back(leaf.second.grad().sum(at::kDouble));
-        }
-    download_group(ctx, std::move(grads), std::move(sums), lane, job, nullptr);
-}
-
 // Buffers a forward or tail job updated on the device go back to host memory before the job
 // ends (on CPU devices the layers wrote the host copy itself).
 void write_back_buffers(CallContext &ctx, const StageWeights &w, DeviceLane &lane, size_t job) {
@@ -517,10 +503,7 @@ void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceL
         run_backward(ctx, job, s, lane, w, final);
         break;
     }
-    if (final)
-        final->finish();
-    else
-        download_grads(ctx, w, lane, job);
+    final->finish(); // installed before the last microbatch of every tail and backward job
 }
 
 void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const ParamStore &store,

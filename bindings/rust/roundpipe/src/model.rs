@@ -14,7 +14,7 @@ use crate::error::{c_string, check, Error, Result, Status};
 use crate::layer::{LayerDef, LayerState, ParamKind};
 use crate::loss::{panic_message, Loss};
 use crate::optim::Optimizer;
-use crate::tensor::{borrowed_managed, AsDlpack, DlTensor};
+use crate::tensor::{borrowed_managed, optional_managed, AsDlpack, DlTensor};
 use crate::tensor_list::{take_list, take_list_optional};
 
 /// A model: layers, host parameter store, optimizer state, device workers and threads.
@@ -449,16 +449,7 @@ impl Model {
     /// out as it returned them (`None`: no gradient for that output); the parameter gradients
     /// accumulate until the next step.
     pub fn backward(&mut self, output_grads: &[Option<&dyn AsDlpack>]) -> Result<()> {
-        let present: Vec<&dyn AsDlpack> = output_grads.iter().flatten().copied().collect();
-        let managed = borrowed_managed(&present);
-        let mut next = managed.iter();
-        let ptrs: Vec<*const sys::DLManagedTensor> = output_grads
-            .iter()
-            .map(|g| match g {
-                Some(_) => next.next().map_or(ptr::null(), |m| m as *const _),
-                None => ptr::null(),
-            })
-            .collect();
+        let (_managed, ptrs) = optional_managed(output_grads);
         self.clear_layer_errors();
         // SAFETY: the gradients are borrowed for the call and outlive it.
         check(unsafe { sys::rp_backward(self.ptr.as_ptr(), ptrs.as_ptr(), ptrs.len()) })
@@ -473,16 +464,7 @@ impl Model {
         &mut self,
         output_grads: &[Option<&dyn AsDlpack>],
     ) -> Result<Vec<Option<DlTensor>>> {
-        let present: Vec<&dyn AsDlpack> = output_grads.iter().flatten().copied().collect();
-        let managed = borrowed_managed(&present);
-        let mut next = managed.iter();
-        let ptrs: Vec<*const sys::DLManagedTensor> = output_grads
-            .iter()
-            .map(|g| match g {
-                Some(_) => next.next().map_or(ptr::null(), |m| m as *const _),
-                None => ptr::null(),
-            })
-            .collect();
+        let (_managed, ptrs) = optional_managed(output_grads);
         self.clear_layer_errors();
         let mut list = ptr::null_mut();
         // SAFETY: the gradients are borrowed for the call and outlive it; list is an out-pointer.

@@ -371,6 +371,25 @@ pub(crate) fn borrowed_managed(tensors: &[&dyn AsDlpack]) -> Vec<sys::DLManagedT
         .collect()
 }
 
+/// Optional gradients for `rp_backward` / `rp_backward_input_grads`: the borrowed DLPack
+/// structs of the present ones, and one pointer per entry into them (null for `None`). The
+/// pointers stay valid while the returned vector lives (its heap buffer never moves).
+pub(crate) fn optional_managed(
+    grads: &[Option<&dyn AsDlpack>],
+) -> (Vec<sys::DLManagedTensor>, Vec<*const sys::DLManagedTensor>) {
+    let present: Vec<&dyn AsDlpack> = grads.iter().flatten().copied().collect();
+    let managed = borrowed_managed(&present);
+    let mut next = managed.iter();
+    let ptrs = grads
+        .iter()
+        .map(|g| match g {
+            Some(_) => next.next().map_or(ptr::null(), |m| m as *const _),
+            None => ptr::null(),
+        })
+        .collect();
+    (managed, ptrs)
+}
+
 /// A borrowed look at a DLPack tensor: shape, type, device and (host memory) the elements.
 #[derive(Clone, Copy)]
 pub struct TensorView<'a> {
