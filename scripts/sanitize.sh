@@ -19,6 +19,9 @@
 #   RP_FUZZ_ALLOC_MB  largest single allocation; bigger ones fail (return NULL) (default 128: a
 #                     valid config of a few 400 MB tensors would otherwise pass the library's
 #                     host check and exceed the 3 GB RSS limit of the fuzzer, a harness OOM)
+#   RP_HOST_MEMORY_LIMIT_MB  host memory the library assumes it may use while fuzzed (default 1024):
+#                     many allocations under RP_FUZZ_ALLOC_MB each can still add up past the RSS
+#                     limit; under this limit such a model is refused by the library's host check
 #   RP_JOBS, CUDA_HOME, PYTHON as for scripts/test.sh.
 # A failing input is left in <build>/fuzz/<target>/ (crash-*, leak-*, timeout-*, oom-*): copy it
 # into tests/fuzz/regressions/<target>/ so that every later run replays it.
@@ -91,7 +94,8 @@ for target in "${targets[@]}"; do
     else
         limit=(-runs=0)
     fi
-    timeout --kill-after=30 $((seconds + 300)) "$bin" "${limit[@]}" -timeout=30 \
+    RP_HOST_MEMORY_LIMIT_MB=${RP_HOST_MEMORY_LIMIT_MB:-1024} \
+        timeout --kill-after=30 $((seconds + 300)) "$bin" "${limit[@]}" -timeout=30 \
         -rss_limit_mb="${RP_FUZZ_RSS_MB:-3072}" -max_len=16384 -print_final_stats=1 \
         -artifact_prefix="$work/" "${dict[@]}" "$work/corpus" "${seeds[@]}" >"$log" 2>&1
     rc=$?

@@ -50,12 +50,13 @@ int64_t ParamStore::bytes_per_element(at::ScalarType model_dtype, HostMemoryMode
 
 void ParamStore::check_fits_host(int64_t elements, at::ScalarType model_dtype,
                                  HostMemoryMode mode, const std::string &what) {
-    const int64_t available = available_host_memory_bytes();
+    const HostMemoryHeadroom headroom = available_host_memory();
+    const int64_t available = headroom.bytes;
     const int64_t per = bytes_per_element(model_dtype, mode);
     int64_t needed = 0;
     const bool overflow = elements < 0 || __builtin_mul_overflow(elements, per, &needed);
     if (available < 0 && !overflow)
-        return; // the kernel does not say; let the allocator decide
+        return; // nothing says; let the allocator decide
     if (overflow || needed > available)
         fail(ErrorKind::OutOfMemory,
              what + " needs " + (overflow ? std::string("more bytes than an int64 counts")
@@ -63,9 +64,8 @@ void ParamStore::check_fits_host(int64_t elements, at::ScalarType model_dtype,
                  " of host memory for its parameter state (" + std::to_string(elements) +
                  " parameters x " + std::to_string(per) +
                  " bytes, optimizer state included), but the host has " +
-                 gib(static_cast<double>(available)) +
-                 " available (MemAvailable); use the memory-saving host mode, a 16-bit model "
-                 "dtype, or a smaller model");
+                 gib(static_cast<double>(available)) + " available (" + headroom.source +
+                 "); use the memory-saving host mode, a 16-bit model dtype, or a smaller model");
 }
 
 ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,

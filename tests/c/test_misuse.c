@@ -2,11 +2,13 @@
  * test_misuse.c - misuse and oversized input are refused with a status and a message, never a
  * crash, a silent wrong answer or RP_ERR_INTERNAL (roundpipe.h conventions): two threads on one
  * model, destroy during a call, element counts that overflow int64, JSON numbers out of range,
- * models larger than the host, high-rank inputs, unknown status codes.
+ * models larger than the host (or than RP_HOST_MEMORY_LIMIT_MB), high-rank inputs, unknown
+ * status codes.
  */
 #include "test_support.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -153,12 +155,31 @@ static void models_larger_than_the_host_are_refused_before_allocating(void **sta
                "\"hidden_size\": 16, \"intermediate_size\": 24, \"num_attention_heads\": 4, "
                "\"num_hidden_layers\": 100000000}",
                NULL),
-           RP_ERR_OUT_OF_MEMORY, "MemAvailable");
+           RP_ERR_OUT_OF_MEMORY, "of host memory for its parameter state");
     TS_ERR(rp_model_create(&m, "{\"layers\": [{\"type\": \"linear\", \"in\": 262144, "
                                "\"out\": 262144}]}",
                            NULL),
            RP_ERR_OUT_OF_MEMORY, "GiB");
     assert_null(m);
+}
+
+/* RP_HOST_MEMORY_LIMIT_MB lowers the headroom the check assumes: a 1024 x 1024 linear layer in
+ * fp32 needs (1024 * 1024 + 1024) parameters x 28 bytes = 28.0 MiB of host state, refused under a
+ * 16 MiB limit (the message names the variable), built under 64 MiB and without it. */
+static void the_host_memory_limit_variable_lowers_the_headroom(void **state) {
+    (void)state;
+    const char *spec = "{\"layers\": [{\"type\": \"linear\", \"in\": 1024, \"out\": 1024}]}";
+    rp_model *m = NULL;
+    setenv("RP_HOST_MEMORY_LIMIT_MB", "16", 1);
+    TS_ERR(rp_model_create(&m, spec, NULL), RP_ERR_OUT_OF_MEMORY, "RP_HOST_MEMORY_LIMIT_MB");
+    assert_null(m);
+    setenv("RP_HOST_MEMORY_LIMIT_MB", "64", 1);
+    TS_OK(rp_model_create(&m, spec, NULL));
+    rp_model_destroy(m);
+    m = NULL;
+    unsetenv("RP_HOST_MEMORY_LIMIT_MB");
+    TS_OK(rp_model_create(&m, spec, NULL));
+    rp_model_destroy(m);
 }
 
 /* The API accepts up to 16 dimensions; elementwise layers work at every rank it accepts. */
@@ -206,6 +227,7 @@ int main(void) {
         cmocka_unit_test(dlpack_element_counts_that_overflow_are_refused),
         cmocka_unit_test(out_of_range_json_and_sizes_are_caller_errors),
         cmocka_unit_test(models_larger_than_the_host_are_refused_before_allocating),
+        cmocka_unit_test(the_host_memory_limit_variable_lowers_the_headroom),
         cmocka_unit_test(sixteen_dimensional_inputs_run_through_activations),
         cmocka_unit_test(unknown_status_codes_have_a_string),
     };
