@@ -492,9 +492,9 @@ RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out
  * Replace the stage plan of a live model, as rp_model_options_set_stage_plan does at creation:
  * stage s holds the next `layers_per_stage[s]` layers; NULL or n == 0 returns to the automatic
  * planner (on GPUs the next training call re-plans from measured times again). The next call
- * runs on the new stages; forward and backward use the same stages (backward in reverse order),
- * so plans whose backward stages differ from the forward's cannot be expressed. Weights,
- * gradients, optimizer state and queued steps do not depend on the plan and are untouched.
+ * runs on the new stages; backward runs them in reverse order, and a backward stage plan set
+ * before (rp_model_set_backward_stage_plan) is dropped. Weights, gradients, optimizer state and
+ * queued steps do not depend on the plan and are untouched.
  * @param layers_per_stage borrowed; copied.
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model, counts not positive or not adding up to
  *         the number of layers, called from a step callback); RP_ERR_STATE (a rp_forward_train
@@ -504,6 +504,40 @@ RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out
  */
 RP_API rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage,
                                          size_t n);
+
+/**
+ * Backward stages that differ from the forward ones (upstream's asymmetric execute plans:
+ * backward costs about three forwards, so shorter backward stages balance the pipeline): backward
+ * stage b holds the next `layers_per_stage[b]` layers, counted from layer 0 as for
+ * rp_model_set_stage_plan; backward jobs run them deepest first. A training forward keeps the
+ * input of every backward stage (a download from inside a forward stage where a backward stage
+ * starts in its middle), and each backward job recomputes its layers from that input. In a fused
+ * call (rp_forward_backward) the last forward stage is the tail, run once forward and backward
+ * without recompute: the backward plan must end with the same stage, else that call fails with
+ * RP_ERR_INVALID_ARGUMENT before anything changes. rp_forward_train / rp_backward take any
+ * backward plan. NULL or n == 0: the backward stages are the forward ones (the default).
+ * Applies from the next call until cleared or until rp_model_set_stage_plan sets a new forward
+ * plan. Results do not depend on the plan (only rounding: gradients summed in another order).
+ * @param layers_per_stage borrowed; copied.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model, counts not positive or not adding up to
+ *         the number of layers, called from a step callback); RP_ERR_STATE (no explicit forward
+ *         stage plan: the automatic planner's stages change with the call shape; a
+ *         rp_forward_train awaits its rp_backward; another thread is in a call on the model). On
+ *         error the plan is unchanged.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_backward_stage_plan(rp_model *model,
+                                                  const int32_t *layers_per_stage, size_t n);
+
+/**
+ * The backward stage plan in force, as rp_model_stage_plan reports the forward one: the plan
+ * rp_model_set_backward_stage_plan set, else the forward stage plan of the last call.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL model or out_num_stages, negative capacity).
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_backward_stage_plan(int32_t *out_layers_per_stage,
+                                              int32_t *out_num_stages, int32_t capacity,
+                                              const rp_model *model);
 
 /**
  * The run configuration a call with `call` would use: the model-level configuration overlaid by

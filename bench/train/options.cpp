@@ -15,6 +15,7 @@ namespace {
                  "  [--grain stage|layer] [--dtype bf16|f16|f32] [--optim-dtype f32|bf16]\n"
                  "  [--steps N] [--warmup N] [--fb-only-steps N] [--opt-steps N]\n"
                  "  [--devices cpu|cuda] [--num-devices N] [--plan auto|N,N,...]\n"
+                 "  [--backward-plan auto|N,N,... (with --plan)]\n"
                  "  [--gpu-cap-gib X] [--pin alloc|register|off] [--host-memory standard|saving]\n"
                  "  [--lr X] [--seed N]\n"
                  "  [--baseline on|off] [--baseline-steps N] [--baseline-warmup N]\n"
@@ -55,6 +56,7 @@ bool set_option(Options &o, const char *argv0, const std::string &a, const std::
     else if (a == "--baseline-microbatches") o.baseline_microbatches = std::stoll(v);
     else if (a == "--trace") o.trace_file = v;
     else if (a == "--plan") o.plan = v;
+    else if (a == "--backward-plan") o.backward_plan = v;
     else if (a == "--gpu-cap-gib") o.gpu_cap_gib = std::stod(v);
     else if (a == "--pin") o.pin = v;
     else if (a == "--host-memory") o.host_memory = v;
@@ -89,16 +91,23 @@ void validate(const Options &o, const char *argv0) {
 
 const Shape &Options::model_shape() const { return *find_shape(shape); }
 
-std::vector<int32_t> Options::plan_counts() const {
+namespace {
+
+std::vector<int32_t> counts_of(const std::string &list) {
     std::vector<int32_t> counts;
-    if (plan == "auto")
+    if (list == "auto")
         return counts;
-    std::stringstream ss(plan);
+    std::stringstream ss(list);
     std::string item;
     while (std::getline(ss, item, ','))
         counts.push_back(std::stoi(item));
     return counts;
 }
+
+} // namespace
+
+std::vector<int32_t> Options::plan_counts() const { return counts_of(plan); }
+std::vector<int32_t> Options::backward_plan_counts() const { return counts_of(backward_plan); }
 
 Options parse_options(int argc, char **argv) {
     Options o;

@@ -25,6 +25,8 @@ struct Options {
     int64_t baseline_microbatches = -1; // default: --microbatches
     std::string trace_file;
     std::string plan = "auto"; // auto | comma-separated layers per stage
+    // auto (the forward stages) | comma-separated layers per backward stage; needs --plan
+    std::string backward_plan = "auto";
     double gpu_cap_gib = 0;
     std::string pin = "alloc";
     std::string host_memory = "standard";
@@ -37,8 +39,10 @@ struct Options {
     const Shape &model_shape() const; // the shape named by `shape` (checked by parse_options)
     int64_t tokens() const { return batch * seq; }
     bool on_gpu() const { return devices == "cuda"; }
-    // Layers per stage of --plan; empty for auto. Throws std::logic_error for a bad list.
+    // Layers per stage of --plan / --backward-plan; empty for auto. Throw std::logic_error for
+    // a bad list.
     std::vector<int32_t> plan_counts() const;
+    std::vector<int32_t> backward_plan_counts() const;
 };
 
 // Parses and checks the command line; prints the usage and exits with 2 on a bad one.

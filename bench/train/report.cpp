@@ -55,6 +55,7 @@ void report_pcie(json &out, const Options &o, const RoundPipeRun &r, const Trace
     const double fb_last_ms = r.fb_ms.back();
     out["pcie_method"] = "trace-bytes";
     out["pcie_plan"] = r.plan;
+    out["backward_plan"] = r.backward_plan;
     out["pcie_h2d_bytes_per_iter"] = p.h2d();
     out["pcie_d2h_bytes_per_iter"] = p.d2h();
     out["pcie_h2d_weight_bytes"] = p.h2d_weights;
@@ -110,7 +111,9 @@ bool plan_consistent(const Options &o, const RoundPipeRun &r) {
     for (int32_t c : r.plan)
         layers += c;
     const std::vector<int32_t> asked = o.plan_counts();
-    return !r.plan.empty() && layers == r.num_layers && (asked.empty() || asked == r.plan);
+    const std::vector<int32_t> backward = o.backward_plan_counts();
+    return !r.plan.empty() && layers == r.num_layers && (asked.empty() || asked == r.plan) &&
+           (backward.empty() ? r.backward_plan == r.plan : backward == r.backward_plan);
 }
 
 } // namespace
@@ -134,6 +137,7 @@ json report_header(const Options &o) {
     out["optim_dtype"] = o.optim_dtype;
     out["devices"] = o.devices;
     out["plan"] = o.plan;
+    out["backward_plan_asked"] = o.backward_plan;
     out["gpu_cap_gib"] = o.gpu_cap_gib;
     out["pin"] = o.pin;
     out["host_memory"] = o.host_memory;

@@ -117,6 +117,9 @@ void create_model(RoundPipeRun &r, Session &sess, const Options &o) {
     progress("roundpipe: creating the model (random weights on the host)");
     auto t0 = Clock::now();
     sess.create(o.model_shape(), mo.get());
+    const std::vector<int32_t> backward = o.backward_plan_counts();
+    if (!backward.empty())
+        RP_CHECK(rp_model_set_backward_stage_plan(sess.model.m, backward.data(), backward.size()));
     r.create_ms = round_to(ms_since(t0), 1);
     RP_CHECK(rp_model_num_devices(&r.num_devices, sess.model.m));
     RP_CHECK(rp_model_num_layers(&r.num_layers, sess.model.m));
@@ -164,6 +167,9 @@ void ask_plan_and_trace(RoundPipeRun &r, const Session &sess) {
     RP_CHECK(rp_model_stage_plan(nullptr, &stages, 0, sess.model.m));
     r.plan.assign(static_cast<size_t>(stages), 0);
     RP_CHECK(rp_model_stage_plan(r.plan.data(), &stages, stages, sess.model.m));
+    RP_CHECK(rp_model_backward_stage_plan(nullptr, &stages, 0, sess.model.m));
+    r.backward_plan.assign(static_cast<size_t>(stages), 0);
+    RP_CHECK(rp_model_backward_stage_plan(r.backward_plan.data(), &stages, stages, sess.model.m));
 }
 
 // The same calls without an optimizer step in flight. Each starts from zeroed gradients, as in

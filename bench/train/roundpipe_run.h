@@ -20,6 +20,7 @@ struct RoundPipeRun {
     // Set once every phase has run.
     bool finished = false;
     std::vector<int32_t> plan; // rp_model_stage_plan after the timed steps
+    std::vector<int32_t> backward_plan; // rp_model_backward_stage_plan, likewise
     double loop_ms = 0;        // wall time of the timed loop
     std::vector<double> losses; // warm-up and timed iterations
     std::vector<double> fb_ms, step_ms, fb_only_ms, opt_ms;

@@ -130,18 +130,47 @@ rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model) {
     });
 }
 
+namespace {
+
+// rp_model_stage_plan and rp_model_backward_stage_plan: one plan out to a caller's array.
+void write_plan(const std::vector<int> &plan, int32_t *out_layers_per_stage,
+                int32_t *out_num_stages, int32_t capacity) {
+    require_arg(out_num_stages, "out_num_stages is NULL");
+    require_arg(capacity >= 0, "capacity is negative");
+    require_arg(capacity == 0 || out_layers_per_stage,
+                "out_layers_per_stage is NULL but capacity > 0");
+    for (int32_t s = 0; s < capacity && s < static_cast<int32_t>(plan.size()); ++s)
+        out_layers_per_stage[s] = plan[s];
+    *out_num_stages = static_cast<int32_t>(plan.size());
+}
+
+// rp_model_set_stage_plan and rp_model_set_backward_stage_plan: a caller's counts, checked.
+std::vector<int> read_plan(const Model &m, const char *function, const int32_t *layers_per_stage,
+                           size_t n) {
+    require(!m.on_optimizer_thread(),
+            std::string(function) + " may not be called from a step callback");
+    require_arg(n == 0 || layers_per_stage, "layers_per_stage is NULL but n > 0");
+    require(n <= m.num_layers(), "the plan has " + std::to_string(n) + " stages, the model " +
+                                     std::to_string(m.num_layers()) + " layers");
+    return std::vector<int>(layers_per_stage, layers_per_stage + n);
+}
+
+} // namespace
+
 rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages,
                               int32_t capacity, const rp_model *model) {
     return guard([&] {
         ModelCall hold(model);
-        require_arg(out_num_stages, "out_num_stages is NULL");
-        require_arg(capacity >= 0, "capacity is negative");
-        require_arg(capacity == 0 || out_layers_per_stage,
-                    "out_layers_per_stage is NULL but capacity > 0");
-        std::vector<int> plan = hold.model().stage_plan();
-        for (int32_t s = 0; s < capacity && s < static_cast<int32_t>(plan.size()); ++s)
-            out_layers_per_stage[s] = plan[s];
-        *out_num_stages = static_cast<int32_t>(plan.size());
+        write_plan(hold.model().stage_plan(), out_layers_per_stage, out_num_stages, capacity);
+    });
+}
+
+rp_status rp_model_backward_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages,
+                                       int32_t capacity, const rp_model *model) {
+    return guard([&] {
+        ModelCall hold(model);
+        write_plan(hold.model().backward_stage_plan(), out_layers_per_stage, out_num_stages,
+                   capacity);
     });
 }
 
@@ -149,13 +178,17 @@ rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_sta
     return guard([&] {
         ModelCall hold(model);
         Model &m = hold.model();
-        require(!m.on_optimizer_thread(),
-                "rp_model_set_stage_plan may not be called from a step callback");
-        require_arg(n == 0 || layers_per_stage, "layers_per_stage is NULL but n > 0");
-        require(n <= m.num_layers(), "the plan has " + std::to_string(n) + " stages, the model " +
-                                         std::to_string(m.num_layers()) + " layers");
-        std::vector<int> plan(layers_per_stage, layers_per_stage + n);
-        m.set_stage_plan(plan);
+        m.set_stage_plan(read_plan(m, "rp_model_set_stage_plan", layers_per_stage, n));
+    });
+}
+
+rp_status rp_model_set_backward_stage_plan(rp_model *model, const int32_t *layers_per_stage,
+                                           size_t n) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        m.set_backward_stage_plan(
+            read_plan(m, "rp_model_set_backward_stage_plan", layers_per_stage, n));
     });
 }
 

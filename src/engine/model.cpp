@@ -260,6 +260,32 @@ void Model::check_shapes_once(const std::vector<at::Tensor> &inputs, const at::T
     checked_shapes_.insert(std::move(key));
 }
 
+std::vector<Stage> Model::backward_plan_for(const std::vector<Stage> &forward) const {
+    if (explicit_backward_plan_.empty())
+        return forward;
+    return plan_explicit(explicit_backward_plan_, layers_.size());
+}
+
+std::vector<int> Model::backward_stage_plan() const {
+    if (!explicit_backward_plan_.empty())
+        return explicit_backward_plan_;
+    return stage_plan();
+}
+
+void Model::set_backward_stage_plan(const std::vector<int> &layers_per_stage) {
+    if (!layers_per_stage.empty()) {
+        if (explicit_plan_.empty())
+            fail(ErrorKind::State,
+                 "a backward stage plan needs an explicit forward stage plan (the automatic "
+                 "planner changes the stages with the call shape): set one first");
+        plan_explicit(layers_per_stage, layers_.size()); // validates: throws before any change
+    }
+    if (pending_)
+        fail(ErrorKind::State, "a training forward awaits its backward, whose kept stage "
+                               "inputs follow the current plan: run rp_backward first");
+    explicit_backward_plan_ = layers_per_stage;
+}
+
 std::vector<int> Model::stage_plan() const {
     std::vector<int> counts;
     for (const Stage &s : stages_)
@@ -282,7 +308,8 @@ void Model::set_stage_plan(const std::vector<int> &layers_per_stage) {
         throw;
     }
     stages_ = std::move(stages);
-    plans_.clear(); // plans made per call shape under the old setting
+    explicit_backward_plan_.clear(); // a backward plan is made for the forward plan it follows
+    plans_.clear();                  // plans made per call shape under the old setting
     if (layers_per_stage.empty())
         replanned_ = false; // on GPUs the next training call measures and re-plans again
 }
@@ -386,7 +413,7 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
     for (const auto &mb_inputs : mb.inputs)
         check_shapes_once(mb_inputs, at::Tensor(), nullptr);
     plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Inference);
-    CallContext ctx{layers_, stages_, store_, mb};
+    CallContext ctx{layers_, stages_, stages_, store_, mb}; // nothing kept for a backward
     ctx.seed = seed_;
     ctx.training = false;
     ctx.output_device = cfg.output_device;
@@ -415,7 +442,17 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     Loss scaled = loss;
     scaled.scale *= scale;
     plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Fused);
-    CallContext ctx{layers_, stages_, store_, mb};
+    const std::vector<Stage> backward_stages = backward_plan_for(stages_);
+    if (backward_stages.back().first_layer != stages_.back().first_layer)
+        fail(ErrorKind::InvalidArgument,
+             "the backward stage plan ends with layers " +
+                 std::to_string(backward_stages.back().first_layer) + " to " +
+                 std::to_string(layers_.size() - 1) + " and the forward stage plan with layers " +
+                 std::to_string(stages_.back().first_layer) + " to " +
+                 std::to_string(layers_.size() - 1) +
+                 ": a fused training call runs that last stage once, forward, loss and backward "
+                 "without recompute, so both plans must end with the same stage");
+    CallContext ctx{layers_, stages_, backward_stages, store_, mb};
     ctx.seed = seed_;
     ctx.call_index = training_calls_++;
     ctx.training = true;
@@ -490,6 +527,7 @@ std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inpu
     pending->merged = cfg.merge_output;
     pending->step = enqueued_;
     pending->stages = plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Split);
+    pending->backward_stages = backward_plan_for(pending->stages);
     pending->custom_split = static_cast<bool>(cfg.split);
     for (size_t i = 0; i < inputs.size(); ++i) {
         auto it = cfg.input_split_dims.find(static_cast<int>(i));
@@ -497,7 +535,8 @@ std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inpu
         pending->input_split_dims.push_back(inputs[i].dim() == 0 ? kReplicate : dim);
         pending->input_dtypes.push_back(inputs[i].scalar_type());
     }
-    CallContext ctx{layers_, pending->stages, store_, pending->microbatches};
+    CallContext ctx{layers_, pending->stages, pending->backward_stages, store_,
+                    pending->microbatches};
     ctx.seed = seed_;
     ctx.call_index = pending->call_index;
     ctx.training = true;
@@ -629,7 +668,7 @@ void Model::backward(const std::vector<at::Tensor> &output_grads,
             if (g.defined() && scale != 1.0)
                 g = g * scale;
     stages_ = p->stages;
-    CallContext ctx{layers_, p->stages, store_, p->microbatches};
+    CallContext ctx{layers_, p->stages, p->backward_stages, store_, p->microbatches};
     ctx.seed = seed_;
     ctx.call_index = p->call_index;
     ctx.training = true;

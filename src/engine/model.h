@@ -112,8 +112,16 @@ class Model {
     // one per row along its last dimension.
     static int64_t tokens_per_microbatch(const Microbatches &mb);
     // A new explicit plan (empty: the automatic planner). Validated first; refused while a
-    // training forward awaits its backward (its kept stage inputs follow the old stages).
+    // training forward awaits its backward (its kept stage inputs follow the old stages). The
+    // backward stages go back to being the forward ones.
     void set_stage_plan(const std::vector<int> &layers_per_stage);
+    // Backward stages that differ from the forward ones (upstream's asymmetric execute plans),
+    // in ascending layer order; empty: the forward stages. Needs an explicit forward plan (an
+    // automatic one changes with the call shape); refused while a training forward awaits its
+    // backward. A fused call further needs both plans to end with the same stage (the tail).
+    void set_backward_stage_plan(const std::vector<int> &layers_per_stage);
+    // Layers per backward stage of the plan in force.
+    std::vector<int> backward_stage_plan() const;
     // The model's run configuration overlaid by `call`, defaults filled in, output device checked.
     ResolvedRunConfig resolve_run_config(const RunConfig &call) const;
     size_t num_devices() const { return pipeline_.num_devices(); }
@@ -143,11 +151,12 @@ class Model {
     // What a forward_train leaves for its backward.
     struct PendingBackward {
         Microbatches microbatches; // owned copies of the call's inputs
-        std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], host
+        std::vector<std::vector<Transfer>> stage_inputs; // [backward stage][mb], host
         std::vector<std::vector<std::vector<int64_t>>> output_shapes; // [mb][output]
         uint64_t call_index = 0; // dropout masks of the recompute match the forward's
         RecomputeGrain grain = RecomputeGrain::Stage;
-        std::vector<Stage> stages; // the forward's plan: its stage inputs are kept per stage
+        std::vector<Stage> stages;          // the forward's plan
+        std::vector<Stage> backward_stages; // its stage inputs are kept per backward stage
         bool merged = true;
         int64_t step = 0; // steps enqueued at the forward
         // To put input gradients back together: each input's split dim (kReplicate: every
@@ -179,6 +188,8 @@ class Model {
     // The plan for a call of `tokens` per microbatch (cached by call shape); becomes stages_.
     const std::vector<Stage> &plan_call(int64_t tokens, RecomputeGrain grain, StageUse use);
     std::vector<Stage> make_plan(int64_t tokens, RecomputeGrain grain, StageUse use) const;
+    // The backward stages of a call whose forward runs `forward`.
+    std::vector<Stage> backward_plan_for(const std::vector<Stage> &forward) const;
     void replan_from_trace();
     void rethrow_step_error();
 
@@ -188,6 +199,7 @@ class Model {
     ParamStore store_;
     std::vector<Stage> stages_; // the plan of the last call
     std::vector<int> explicit_plan_;
+    std::vector<int> explicit_backward_plan_; // empty: the forward stages
     int64_t gpu_memory_cap_ = 0;
     double plan_cap_ = 0; // bytes the planner fits a device's stages into; 0: no limit
     std::vector<double> layer_costs_; // estimated, then measured by the first GPU training call

@@ -13,10 +13,11 @@ Pipeline::Pipeline(const std::vector<at::Device> &devices) {
 namespace {
 
 // What the user can change when a stage does not fit: the message names the stage and its layers.
-Error stage_out_of_memory(const Stage &st, size_t stage, const at::Device &device,
+Error stage_out_of_memory(const Stage &st, JobKind kind, size_t stage, const at::Device &device,
                           const c10::OutOfMemoryError &e) {
     return Error(ErrorKind::OutOfMemory,
-                 "stage " + std::to_string(stage) + " (layers " + std::to_string(st.first_layer) +
+                 std::string(kind == JobKind::Backward ? "backward stage " : "stage ") +
+                     std::to_string(stage) + " (layers " + std::to_string(st.first_layer) +
                      " to " + std::to_string(st.end_layer - 1) + ") ran out of memory on " +
                      device.str() +
                      "; use more microbatches (smaller activations), recompute grain 'layer', "
@@ -28,15 +29,18 @@ Error stage_out_of_memory(const Stage &st, size_t stage, const at::Device &devic
 
 void Pipeline::run(CallContext &ctx) {
     const size_t S = ctx.stages.size();
+    const size_t B = ctx.backward_stages.size();
     const size_t M = ctx.num_microbatches();
-    // Forward only: one job per stage. Fused: S - 1 forward jobs, the tail, S - 1 backward jobs.
-    // BackwardOnly: S backward jobs, deepest stage first, on the stage inputs its forward kept.
+    // Forward only: one job per stage. Fused: S - 1 forward jobs, the tail (the last of both
+    // stage lists), B - 1 backward jobs. BackwardOnly: B backward jobs. Backward jobs go deepest
+    // stage first, on the stage inputs the forward kept.
     const bool fused = ctx.kind == CallKind::Fused;
-    const size_t num_jobs = fused ? 2 * S - 1 : S;
+    const bool backward_only = ctx.kind == CallKind::BackwardOnly;
+    const size_t num_jobs = fused ? S + B - 1 : backward_only ? B : S;
     CallState state(num_jobs, M);
     ctx.state = &state;
-    if (ctx.kind != CallKind::BackwardOnly)
-        ctx.stage_inputs.assign(S, std::vector<Transfer>(M));
+    if (!backward_only)
+        ctx.stage_inputs.assign(B, std::vector<Transfer>(M));
     ctx.outputs.assign(M, {});
     ctx.losses.assign(M, at::Tensor());
 
@@ -47,28 +51,29 @@ void Pipeline::run(CallContext &ctx) {
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
         const size_t device = (cursor_ + job) % G;
-        JobKind kind = ctx.kind == CallKind::BackwardOnly ? JobKind::Backward
-                       : !fused || job + 1 < S           ? JobKind::Forward
-                       : job + 1 == S                    ? JobKind::Tail
-                                                         : JobKind::Backward;
+        JobKind kind = backward_only         ? JobKind::Backward
+                       : !fused || job + 1 < S ? JobKind::Forward
+                       : job + 1 == S          ? JobKind::Tail
+                                               : JobKind::Backward;
         size_t stage = kind != JobKind::Backward ? job
-                       : fused                   ? 2 * S - 2 - job
-                                                 : S - 1 - job;
+                       : fused                   ? S + B - 2 - job
+                                                 : B - 1 - job;
+        const Stage &layers = job_stage(ctx, kind, stage);
         trace_.push_back({job, stage, device, kind, {}});
         DeviceLane &lane = workers_[device]->lane();
         // The prefetch (weight upload) and the run share the uploaded weights and any failure.
         auto weights = std::make_shared<Transfer>();
         auto prefetch_error = std::make_shared<std::exception_ptr>();
         StageJob j;
-        j.prefetch = [&ctx, &lane, weights, prefetch_error, stage, job] {
+        j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job] {
             try {
-                *weights = upload_stage_weights(ctx, stage, lane, job);
+                *weights = upload_stage_weights(ctx, layers, lane, job);
             } catch (...) {
                 *prefetch_error = std::current_exception();
             }
         };
-        j.ready = [&ctx, stage] { return stage_weights_ready(ctx, stage); };
-        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, job] {
+        j.ready = [&ctx, &layers] { return stage_weights_ready(ctx, layers); };
+        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, &layers, job] {
             try {
                 if (*prefetch_error)
                     std::rethrow_exception(*prefetch_error);
@@ -77,7 +82,7 @@ void Pipeline::run(CallContext &ctx) {
                 // Another job failed first; its error is the one reported.
             } catch (const c10::OutOfMemoryError &e) {
                 state.fail(std::make_exception_ptr(
-                    stage_out_of_memory(ctx.stages[stage], stage, lane.device(), e)));
+                    stage_out_of_memory(layers, kind, stage, lane.device(), e)));
             } catch (...) {
                 state.fail(std::current_exception());
             }

@@ -364,12 +364,17 @@ void run_forward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const
     at::NoGradGuard no_grad;
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
         Transfer in = stage_input(ctx, job, s, m);
-        if (ctx.training)
-            ctx.stage_inputs[s][m] = in;
-        Activation x = to_device(lane, in, job, ctx.store.model_dtype());
+        Activation y = to_device(lane, in, job, ctx.store.model_dtype());
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
         lane.compute_begin(job);
-        Activation y = run_stage(ctx, w, stage, x, extras, Phase::Forward);
+        for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
+            // A training forward keeps each backward stage's input: the one it received where
+            // the stages start together, else a download of the activation reaching layer l.
+            const int b = ctx.backward_stage_at[l];
+            if (ctx.training && b >= 0)
+                ctx.stage_inputs[b][m] = l == stage.first_layer ? in : lane.download(y, job);
+            y = run_layer(ctx, w, stage, l, y, extras, Phase::Forward);
+        }
         lane.compute_end(job);
         if (last)
             ctx.outputs[m] = to_output_device(ctx, lane, y, job);
@@ -402,7 +407,7 @@ void run_tail(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const St
 
 void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const StageWeights &w,
                   std::optional<FinalGradients> &final) {
-    const Stage &stage = ctx.stages[s];
+    const Stage &stage = ctx.backward_stages[s];
     at::AutoGradMode grad_mode(true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
         if (m + 1 == ctx.num_microbatches())
@@ -416,7 +421,8 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
         ctx.stage_inputs[s][m] = Transfer(); // recompute input no longer needed: free it
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
         // The first stage's inputs need a gradient only when the caller asked for it.
-        const bool into_inputs = s > 0 || ctx.want_input_grads;
+        const bool first = stage.first_layer == 0;
+        const bool into_inputs = !first || ctx.want_input_grads;
         lane.compute_begin(job);
         if (ctx.grain == RecomputeGrain::Stage) {
             maybe_require_grad(x, into_inputs);
@@ -448,7 +454,7 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
             }
         }
         lane.compute_end(job);
-        if (s == 0 && ctx.want_input_grads)
+        if (first && ctx.want_input_grads)
             ctx.input_grads[m] = lane.download(g, job).tensors;
         else
             ctx.state->put(job, m, lane.download(g, job));
@@ -459,9 +465,9 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
 
 namespace {
 
-std::vector<size_t> stage_params(const CallContext &ctx, size_t s) {
+std::vector<size_t> stage_params(const CallContext &ctx, const Stage &stage) {
     std::vector<size_t> params;
-    for (size_t l = ctx.stages[s].first_layer; l < ctx.stages[s].end_layer; ++l)
+    for (size_t l = stage.first_layer; l < stage.end_layer; ++l)
         for (size_t pi : ctx.store.layer_params(l))
             params.push_back(pi);
     return params;
@@ -469,12 +475,27 @@ std::vector<size_t> stage_params(const CallContext &ctx, size_t s) {
 
 } // namespace
 
-bool stage_weights_ready(const CallContext &ctx, size_t s) {
-    return !ctx.gate || ctx.gate->is_open(stage_params(ctx, s), ctx.gate_step);
+CallContext::CallContext(const std::vector<std::unique_ptr<Layer>> &layers_,
+                         const std::vector<Stage> &stages_,
+                         const std::vector<Stage> &backward_stages_, const ParamStore &store_,
+                         const Microbatches &microbatches_)
+    : layers(layers_), stages(stages_), backward_stages(backward_stages_),
+      backward_stage_at(layers_.size(), -1), store(store_), microbatches(microbatches_) {
+    for (size_t b = 0; b < backward_stages.size(); ++b)
+        backward_stage_at[backward_stages[b].first_layer] = static_cast<int>(b);
 }
 
-Transfer upload_stage_weights(const CallContext &ctx, size_t s, DeviceLane &lane, size_t job) {
-    const std::vector<size_t> params = stage_params(ctx, s);
+const Stage &job_stage(const CallContext &ctx, JobKind kind, size_t s) {
+    return kind == JobKind::Backward ? ctx.backward_stages[s] : ctx.stages[s];
+}
+
+bool stage_weights_ready(const CallContext &ctx, const Stage &stage) {
+    return !ctx.gate || ctx.gate->is_open(stage_params(ctx, stage), ctx.gate_step);
+}
+
+Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, DeviceLane &lane,
+                              size_t job) {
+    const std::vector<size_t> params = stage_params(ctx, stage);
     if (ctx.gate)
         ctx.gate->wait(params, ctx.gate_step);
     std::vector<at::Tensor> host;
@@ -485,7 +506,7 @@ Transfer upload_stage_weights(const CallContext &ctx, size_t s, DeviceLane &lane
 
 void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceLane &lane,
                    const Transfer &weights) {
-    StageWeights w = make_leaves(ctx, ctx.stages[s], weights, kind != JobKind::Forward);
+    StageWeights w = make_leaves(ctx, job_stage(ctx, kind, s), weights, kind != JobKind::Forward);
     w.lane = &lane;
     if (w.layer_landed.empty())
         lane.use(weights);

@@ -28,13 +28,23 @@ enum class JobKind { Forward, Tail, Backward };
 enum class CallKind { Inference, Fused, ForwardKeep, BackwardOnly };
 
 // Everything one pipelined call shares between its jobs. Each job writes only its own slots.
+//
+// Forward jobs (and the fused tail) run `stages`; backward jobs run `backward_stages`, which are
+// `stages` themselves unless the call has an asymmetric plan (upstream's execute plans: fewer,
+// longer forward stages, shorter backward ones). Either way both lists run in ascending layer
+// order, a fused call's last stage (the tail) is the last of both, and a training forward keeps
+// the input of every backward stage: at the start of its own stage where they coincide, else
+// downloaded from inside the forward stage that computes it.
 struct CallContext {
-    CallContext(const std::vector<std::unique_ptr<Layer>> &layers_, const std::vector<Stage> &stages_,
-                const ParamStore &store_, const Microbatches &microbatches_)
-        : layers(layers_), stages(stages_), store(store_), microbatches(microbatches_) {}
+    CallContext(const std::vector<std::unique_ptr<Layer>> &layers_,
+                const std::vector<Stage> &stages_, const std::vector<Stage> &backward_stages_,
+                const ParamStore &store_, const Microbatches &microbatches_);
 
     const std::vector<std::unique_ptr<Layer>> &layers;
     const std::vector<Stage> &stages;
+    const std::vector<Stage> &backward_stages;
+    // Per layer: the backward stage that starts there, or -1.
+    std::vector<int> backward_stage_at;
     const ParamStore &store;
     const Microbatches &microbatches;
     uint64_t seed = 0;
@@ -57,7 +67,7 @@ struct CallContext {
     int64_t gate_step = 0;
 
     // Written by the jobs; read by the caller once every lane has finished.
-    std::vector<std::vector<Transfer>> stage_inputs; // [stage][mb], kept in host memory
+    std::vector<std::vector<Transfer>> stage_inputs; // [backward stage][mb], in host memory
     std::vector<std::vector<at::Tensor>> outputs;    // [mb][output], on the output device
     std::vector<at::Tensor> losses;                  // [mb], 0-d
     std::vector<std::vector<at::Tensor>> input_grads; // [mb][input], want_input_grads only
@@ -66,14 +76,20 @@ struct CallContext {
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };
 
+// The layers job `kind` runs for stage index `stage`: ctx.backward_stages[stage] for backward
+// jobs, ctx.stages[stage] for the others.
+const Stage &job_stage(const CallContext &ctx, JobKind kind, size_t stage);
+
 // Whether the weights of `stage` may be uploaded now without waiting for the optimizer.
-bool stage_weights_ready(const CallContext &ctx, size_t stage);
+bool stage_weights_ready(const CallContext &ctx, const Stage &stage);
 
 // Starts uploading the weights of `stage` (on the lane's weight stream), first waiting for the
 // optimizer where the call is gated.
-Transfer upload_stage_weights(const CallContext &ctx, size_t stage, DeviceLane &lane, size_t job);
+Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, DeviceLane &lane,
+                              size_t job);
 
-// Runs job `job` of `kind` for `stage` with weights from upload_stage_weights.
+// Runs job `job` of `kind` for stage index `stage` (see job_stage) with weights from
+// upload_stage_weights.
 void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t stage, DeviceLane &lane,
                    const Transfer &weights);
 

@@ -8,7 +8,10 @@
  * and every weight after the step.
  *
  * The grid: num_microbatch {1,2,3,5} x recompute grain {stage, layer} x CPU devices {1,2,3}
- * x dropout {p=0.2, p=0} x plan {automatic, an explicit plan}. 10 rows split into 3 or 5
+ * x dropout {p=0.2, p=0} x plan {automatic, an explicit plan}. The explicit plans rotate
+ * through symmetric ones and asymmetric ones (rp_model_set_backward_stage_plan: backward stages
+ * that start inside forward stages, whose inputs the forward downloads from the middle of a
+ * stage). 10 rows split into 3 or 5
  * microbatches gives unequal pieces (4,3,3), so the tensor_split rule is exercised too.
  *
  * Tolerances (fp32 everywhere; error = ||got - want|| / max(||want||, 1e-6)):
@@ -59,18 +62,27 @@ static const int32_t PLAN_ONE_STAGE[] = {7};
 static const int32_t PLAN_PER_LAYER[] = {1, 1, 1, 1, 1, 1, 1};
 static const int32_t PLAN_UNEVEN[] = {2, 3, 2};
 static const int32_t PLAN_TWO[] = {4, 3};
+/* Backward plans for PLAN_UNEVEN and PLAN_TWO: the same last stage (the fused tail), the others
+ * cut where the forward's are not (layers 1, 3, 4 and 1, 2). */
+static const int32_t BACKWARD_UNEVEN[] = {1, 2, 1, 1, 2};
+static const int32_t BACKWARD_TWO[] = {1, 1, 2, 3};
 
 typedef struct plan_def {
     const int32_t *layers;
     size_t n;
+    const int32_t *backward; /* NULL: the forward stages */
+    size_t n_backward;
     const char *name;
 } plan_def;
 
-static const plan_def PLANS[] = {
-    {PLAN_ONE_STAGE, 1, "plan7"},
-    {PLAN_PER_LAYER, 7, "plan1x7"},
-    {PLAN_UNEVEN, 3, "plan232"},
-    {PLAN_TWO, 2, "plan43"},
+#define NUM_PLANS 6
+static const plan_def PLANS[NUM_PLANS] = {
+    {PLAN_ONE_STAGE, 1, NULL, 0, "plan7"},
+    {PLAN_UNEVEN, 3, BACKWARD_UNEVEN, 5, "plan232_backward12112"},
+    {PLAN_PER_LAYER, 7, NULL, 0, "plan1x7"},
+    {PLAN_TWO, 2, BACKWARD_TWO, 4, "plan43_backward1123"},
+    {PLAN_UNEVEN, 3, NULL, 0, "plan232"},
+    {PLAN_TWO, 2, NULL, 0, "plan43"},
 };
 
 typedef struct eq_case {
@@ -162,6 +174,14 @@ static void run_grid_case(void **state) {
     if (c->plan) {
         TS_OK(rp_model_num_stages(&n, model));
         assert_int_equal(n, (int32_t)c->plan->n);
+    }
+    if (c->plan && c->plan->backward) {
+        TS_OK(rp_model_set_backward_stage_plan(model, c->plan->backward, c->plan->n_backward));
+        int32_t got[8] = {0};
+        TS_OK(rp_model_backward_stage_plan(got, &n, 8, model));
+        assert_int_equal(n, (int32_t)c->plan->n_backward);
+        for (size_t b = 0; b < c->plan->n_backward; ++b)
+            assert_int_equal(got[b], c->plan->backward[b]);
     }
     ref_model *ref = ts_reference_from(model, spec, seed);
     rp_run_config *cfg = ts_config(c->num_microbatch, c->grain);
@@ -460,7 +480,10 @@ int main(void) {
                         c->grain = GRAINS[g];
                         c->devices = d;
                         c->dropout = drop;
-                        c->plan = explicit_plan ? &PLANS[rotation++ % 4] : NULL;
+                        /* + a + g: rotation alone would tie each plan to a (devices,
+                         * dropout) pair, the inner loops being 6 long. */
+                        c->plan =
+                            explicit_plan ? &PLANS[(rotation++ + a + g) % NUM_PLANS] : NULL;
                         snprintf(
                             c->name, sizeof c->name, "matches_reference_mb%d_%s_devices%d_%s_%s",
                             c->num_microbatch, c->grain == RP_GRAIN_STAGE ? "stage" : "layer", d,

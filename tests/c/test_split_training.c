@@ -6,7 +6,8 @@
  * dW2 = sum g h^T, db2 = sum g, dh = W2^T g, dW1 = sum dh x^T, db1 = sum dh. fp32 engine against
  * double reference: 1e-5 relative (a few fp32 roundings of 4-term sums).
  * rp_backward_input_grads adds dx = W1^T W2^T g per row, and two one-layer models chained
- * through it must give the two-layer model's gradients.
+ * through it must give the two-layer model's gradients, and so must a plan whose backward
+ * stages differ from the forward ones (rp_model_set_backward_stage_plan).
  */
 #include "test_support.h"
 
@@ -387,6 +388,69 @@ static void stage_plan_switches_at_runtime_and_gradients_stay_exact(void **state
     rp_model_destroy(m);
 }
 
+static void assert_backward_plan(rp_model *m, const int32_t *want, int32_t n) {
+    int32_t got[8] = {0}, count = 0;
+    TS_OK(rp_model_backward_stage_plan(got, &count, 8, m));
+    assert_int_equal(count, n);
+    for (int32_t s = 0; s < n; ++s)
+        assert_int_equal(got[s], want[s]);
+}
+
+/* rp_model_set_backward_stage_plan: one forward stage of both layers, two backward stages (the
+ * forward downloads the activation between the layers for the second layer's backward stage):
+ * rp_forward_train + rp_backward give the hand-computed gradients. Refused without an explicit
+ * forward plan, with bad counts, while a forward awaits its backward, and at a fused call whose
+ * plans end differently (then nothing changed: the gradients stay those of the split call); a
+ * new forward plan drops the backward one. */
+static void asymmetric_backward_stages_give_the_hand_computed_gradients(void **state) {
+    (void)state;
+    rp_model *m = model_with_known_weights();
+    const int32_t one[] = {2}, two[] = {1, 1}, zero[] = {0, 2};
+    TS_OK(rp_model_set_stage_plan(m, NULL, 0));
+    TS_ERR(rp_model_set_backward_stage_plan(m, two, 2), RP_ERR_STATE, "explicit forward");
+    TS_OK(rp_model_set_stage_plan(m, one, 1));
+    TS_ERR(rp_model_set_backward_stage_plan(m, zero, 2), RP_ERR_INVALID_ARGUMENT, "at least one");
+    TS_ERR(rp_model_set_backward_stage_plan(m, NULL, 2), RP_ERR_INVALID_ARGUMENT, "NULL");
+    TS_ERR(rp_model_set_backward_stage_plan(NULL, two, 2), RP_ERR_INVALID_ARGUMENT, "model");
+    assert_backward_plan(m, one, 1);
+    TS_OK(rp_model_set_backward_stage_plan(m, two, 2));
+    assert_backward_plan(m, two, 2);
+    assert_plan(m, one, 1);
+
+    float x[ROWS * IN], g[ROWS * OUT];
+    make_data(x, g);
+    const int64_t xs[] = {ROWS, IN}, gs[] = {ROWS, OUT};
+    DLManagedTensor *in = ts_f32(2, xs, x), *grad = ts_f32(2, gs, g);
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_tensor_list *outs = NULL;
+    TS_OK(rp_forward_train(&outs, m, (const DLManagedTensor *const *)&in, 1, cfg));
+    TS_ERR(rp_model_set_backward_stage_plan(m, NULL, 0), RP_ERR_STATE, "backward");
+    TS_OK(rp_backward(m, (const DLManagedTensor *const *)&grad, 1));
+    double want[HID * IN + HID + OUT * HID + OUT];
+    expected_grads(x, g, want);
+    assert_grads(m, want);
+    rp_tensor_list_destroy(outs);
+
+    /* Fused: the forward's last stage (both layers) is not the backward's (layer 1 alone). */
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    double value = 0.0;
+    TS_ERR(rp_forward_backward(&value, NULL, m, (const DLManagedTensor *const *)&in, 1, grad,
+                               loss, cfg),
+           RP_ERR_INVALID_ARGUMENT, "same stage");
+    assert_grads(m, want);
+
+    TS_OK(rp_model_set_stage_plan(m, two, 2));
+    assert_backward_plan(m, two, 2); /* the forward stages again */
+    TS_OK(rp_model_set_stage_plan(m, one, 1));
+    assert_backward_plan(m, one, 1);
+    rp_loss_destroy(loss);
+    rp_run_config_destroy(cfg);
+    ts_free(in);
+    ts_free(grad);
+    rp_model_destroy(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(merged_outputs_back_propagate_to_the_hand_computed_gradients),
@@ -396,6 +460,7 @@ int main(void) {
         cmocka_unit_test(input_grads_after_a_split_callback_are_refused_and_the_forward_kept),
         cmocka_unit_test(a_step_between_forward_and_backward_is_refused),
         cmocka_unit_test(stage_plan_switches_at_runtime_and_gradients_stay_exact),
+        cmocka_unit_test(asymmetric_backward_stages_give_the_hand_computed_gradients),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,10 +2,9 @@
 Execution Plan section of API_run_config): ModelExecutePlan, RoundPipeRunConfig(execute_plan=),
 ModelExecutePlan.auto, the validation rules, on CPU worker devices against plain PyTorch.
 
-The engine holds one stage plan per model, used by forward and backward alike: plans whose
-backward stages are the forward ones reversed run (model-level, or per call: the engine switches
-its stages for the call); asymmetric plans raise RoundPipeUnsupportedError naming execute_plan
-(roundpipe/execute_plan.py says why)."""
+The engine holds a stage plan and a backward stage plan per model: symmetric plans and
+upstream's asymmetric ones (backward stages that start inside forward stages) run, model-level
+or per call (the engine switches its plans for the call), and train as plain PyTorch does."""
 
 import copy
 
@@ -160,23 +159,78 @@ def test_a_per_call_plan_runs_that_call_on_its_stages_then_the_model_plan_return
         assert model.stage_plan() == [1, 3]
 
 
-def test_upstreams_asymmetric_examples_are_unsupported_naming_execute_plan():
-    # the page's forward() example: 2 forward stages, 4 backward stages
+def upstream_forward_example():
+    """The page's forward() example: 2 forward stages, 4 backward stages."""
     plan = ModelExecutePlan()
     plan.fwd_plan = [range(0, 2), range(2, 4)]
     plan.bwd_plan = [range(3, 4), range(2, 3), range(1, 2), range(0, 1)]
-    with pytest.raises(RoundPipeUnsupportedError, match="execute_plan: bwd_plan"):
-        RoundPipe(four_layers(), devices=DEVICES,
-                  model_run_config=RoundPipeRunConfig(execute_plan=plan))
-    # the page's forward_backward() example: fwd_plan [0, 3), backward one layer per stage
+    return plan
+
+
+def upstream_fused_example():
+    """The page's forward_backward() example: fwd_plan [0, 3), backward one layer per stage."""
     plan = ModelExecutePlan()
     plan.fwd_plan = [range(0, 3)]
     plan.bwd_plan = [range(3, 4), range(2, 3), range(1, 2), range(0, 1)]
-    with RoundPipe(four_layers(), devices=DEVICES, stage_plan=[3, 1]) as model:
-        with pytest.raises(RoundPipeUnsupportedError, match="execute_plan: bwd_plan"):
-            model.forward_backward(input_args=(torch.randn(6, 8),), label=torch.randn(6, 4),
-                                   loss_fn=loss_fn,
-                                   run_config=RoundPipeRunConfig(execute_plan=plan))
+    return plan
+
+
+def test_upstreams_fused_asymmetric_example_trains_as_pytorch():
+    """Per call, on a model with another plan: the engine runs forward stage [0, 3), the tail
+    [3, 4), and backward stages [2], [1], [0] recomputed from activations the forward downloaded
+    from inside its stage; gradients as plain PyTorch's. Model-level, the same plan; a training
+    call with several microbatches too."""
+    net = four_layers()
+    with RoundPipe(net, devices=DEVICES, stage_plan=[2, 2]) as model:
+        check_training(model, net, RoundPipeRunConfig(execute_plan=upstream_fused_example()))
+        # the next call without a plan runs on the model's own again
+        check_training(model, net)
+        assert model.stage_plan() == [2, 2] and model.backward_stage_plan() == [2, 2]
+    with RoundPipe(net, devices=DEVICES, model_run_config=RoundPipeRunConfig(
+            execute_plan=upstream_fused_example(), num_microbatch=3)) as model:
+        assert model.stage_plan() == [3, 1]
+        assert model.backward_stage_plan() == [1, 1, 1, 1]
+        check_training(model, net)
+        assert ModelExecutePlan.auto("fused", model) == upstream_fused_example()
+
+
+def test_upstreams_forward_asymmetric_example_trains_through_autograd():
+    """forward() in training mode keeps the input of each of the 4 backward stages (three of
+    them from inside the 2 forward stages); loss.backward() back-propagates through them."""
+    net = four_layers()
+    with RoundPipe(net, devices=DEVICES, model_run_config=RoundPipeRunConfig(
+            execute_plan=upstream_forward_example())) as model:
+        assert model.stage_plan() == [2, 2]
+        assert model.backward_stage_plan() == [1, 1, 1, 1]
+        assert ModelExecutePlan.auto("train", model) == upstream_forward_example()
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        want_loss, want_grads = reference_grads(net, x, y)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        assert float(loss) == pytest.approx(want_loss, rel=RTOL)
+        model.synchronize()
+        for p, g in zip(net.parameters(), want_grads):
+            torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=1e-6)
+        # The train-form plan ends with stage [2, 4) forward but [3, 4) backward: a fused call
+        # has no single tail, and the engine says so (nothing changed).
+        with pytest.raises(RoundPipeError, match="same stage") as err:
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        assert err.value.status == Status.INVALID_ARGUMENT
+
+
+def test_backward_stage_plan_methods():
+    with RoundPipe(four_layers(), devices=DEVICES) as model:
+        with pytest.raises(RoundPipeError, match="explicit forward") as err:
+            model.set_backward_stage_plan([1, 1, 1, 1])
+        assert err.value.status == Status.STATE
+        model.set_stage_plan([3, 1])
+        model.set_backward_stage_plan([1, 1, 1, 1])
+        assert model.backward_stage_plan() == [1, 1, 1, 1]
+        with pytest.raises(RoundPipeError, match="covers"):
+            model.set_backward_stage_plan([1, 1])
+        assert model.backward_stage_plan() == [1, 1, 1, 1]
+        model.set_backward_stage_plan(None)
+        assert model.backward_stage_plan() == [3, 1]
 
 
 def _plan(fwd, bwd):
@@ -251,4 +305,11 @@ def test_from_stage_plan_round_trips():
                 plan = ModelExecutePlan.from_stage_plan(counts, run_type)
                 assert plan.fwd_plan == [] and plan.bwd_plan == [range(0, 4)]
             plan = ModelExecutePlan.from_stage_plan(counts, run_type)
-            assert plan.stage_plan(4, run_type) == counts
+            assert plan.stage_plan(4, run_type) == (counts, None)
+    # with backward stages of their own
+    plan = ModelExecutePlan.from_stage_plan([3, 1], "fused", [1, 1, 1, 1])
+    assert plan == upstream_fused_example()
+    assert plan.stage_plan(4, "fused") == ([3, 1], [1, 1, 1, 1])
+    plan = ModelExecutePlan.from_stage_plan([2, 2], "train", [1, 1, 1, 1])
+    assert plan == upstream_forward_example()
+    assert plan.stage_plan(4, "train") == ([2, 2], [1, 1, 1, 1])

@@ -334,6 +334,10 @@ def _declare_model(fn):
        [P(c_int32), P(c_int32), c_int32, rp_model_p])                # rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
     fn("rp_model_set_stage_plan", st,
        [rp_model_p, P(c_int32), c_size_t])                           # rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
+    fn("rp_model_set_backward_stage_plan", st,
+       [rp_model_p, P(c_int32), c_size_t])                           # rp_status rp_model_set_backward_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
+    fn("rp_model_backward_stage_plan", st,
+       [P(c_int32), P(c_int32), c_int32, rp_model_p])                # rp_status rp_model_backward_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
     fn("rp_model_resolve_run_config", st,
        [P(rp_run_config_p), rp_model_p, rp_run_config_p])            # rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
     fn("rp_model_step_count", st, [P(c_int64), rp_model_p])          # rp_status rp_model_step_count(int64_t *out_count, const rp_model *model);

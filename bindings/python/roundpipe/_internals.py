@@ -573,18 +573,32 @@ class Model(Owned):
 
     def stage_plan(self):
         """Layers per stage of the current plan (``rp_model_stage_plan``)."""
-        L = lib()
+        return self._read_plan(lib().rp_model_stage_plan)
+
+    def backward_stage_plan(self):
+        """Layers per backward stage in force (``rp_model_backward_stage_plan``)."""
+        return self._read_plan(lib().rp_model_backward_stage_plan)
+
+    def _read_plan(self, query):
         n = c_int32()
-        L.rp_model_stage_plan(None, byref(n), 0, self.handle)
+        query(None, byref(n), 0, self.handle)
         counts = (c_int32 * max(1, n.value))()
-        L.rp_model_stage_plan(counts, byref(n), len(counts), self.handle)
+        query(counts, byref(n), len(counts), self.handle)
         return list(counts[:n.value])
 
     def set_stage_plan(self, counts):
         """``rp_model_set_stage_plan``: layers per stage (empty: the automatic planner)."""
+        self._write_plan(lib().rp_model_set_stage_plan, counts)
+
+    def set_backward_stage_plan(self, counts):
+        """``rp_model_set_backward_stage_plan``: layers per backward stage (empty: the
+        forward stages)."""
+        self._write_plan(lib().rp_model_set_backward_stage_plan, counts)
+
+    def _write_plan(self, setter, counts):
         counts = [int(c) for c in counts]
         array = (c_int32 * max(1, len(counts)))(*counts)
-        lib().rp_model_set_stage_plan(self.handle, array if counts else None, len(counts))
+        setter(self.handle, array if counts else None, len(counts))
 
     def resolve_run_config(self, call=None):
         """The :class:`RunConfig` a call with `call` (a RunConfig or None) would use."""

@@ -1,31 +1,32 @@
 """ModelExecutePlan: upstream's execution plan, mapped onto the engine's stage plan.
 
 Upstream's plan names the layers of each forward stage (``fwd_plan``) and of each backward
-stage (``bwd_plan``) separately, per call. The engine runs a call on one stage plan: an explicit
-one (``rp_model_options_set_stage_plan`` at creation, ``rp_model_set_stage_plan`` later), else
-the planner's for the call's shape (activation memory depends on the tokens per microbatch);
-``rp_model_stage_plan`` reads back the last call's. Stage s holds the next
-``layers_per_stage[s]`` layers. ``forward()`` runs every stage forward;
-``forward_backward()`` runs stages 0..S-2 forward, fuses forward, loss and backward of the last
-(tail) stage, then runs backward over stages S-1..0. So a plan maps onto the engine when
+stage (``bwd_plan``) separately, per call. The engine holds the same two things: a stage plan
+(``rp_model_options_set_stage_plan`` at creation, ``rp_model_set_stage_plan`` later; else the
+planner's for the call's shape) and, optionally, a backward stage plan
+(``rp_model_set_backward_stage_plan``; else backward runs the forward stages), both as layers
+per stage counted from layer 0 (``rp_model_stage_plan`` / ``rp_model_backward_stage_plan`` read
+them back). ``forward()`` runs every stage forward; ``forward_backward()`` runs stages 0..S-2
+forward, fuses forward, loss and backward of the last (tail) stage, then runs the backward
+stages below the tail, deepest first, each recomputed from the input the forward kept for it
+(downloaded from the middle of a forward stage where a backward stage starts inside one). So:
 
-- for ``forward()`` (run types "infer" / "train"): ``fwd_plan`` covers every layer, and
-  ``bwd_plan`` is empty or is ``fwd_plan`` reversed;
+- for ``forward()`` (run types "infer" / "train"): the stage plan is ``fwd_plan`` (it covers
+  every layer) and the backward plan is ``bwd_plan`` reversed (empty: the forward stages);
 - for ``forward_backward()`` (run type "fused"): ``fwd_plan`` covers layers 0..T-1, the first
-  backward stage is ``range(T, L)`` (the tail), and ``bwd_plan`` reversed is ``fwd_plan`` followed
-  by that tail.
+  backward stage is ``range(T, L)`` (the tail), the stage plan is ``fwd_plan`` followed by the
+  tail and the backward plan is ``bwd_plan`` reversed.
 
-What the engine cannot do, and the error it gets (:class:`RoundPipeUnsupportedError`, which is
-also a ``NotImplementedError``, naming ``execute_plan``): backward stages that differ from the
-forward ones (upstream's asymmetric plans, such as the 4-layer examples of its page with two
-forward stages and four backward ones). The engine's backward recomputes the forward's stages,
-deepest first, each from the input the forward kept for it: a backward stage that starts inside
-a forward stage has no kept input to start from.
+Upstream's asymmetric examples (two forward stages and four backward ones) therefore run as
+written. A model-level plan in the "train" form whose backward stages differ from its forward
+ones cannot serve a ``forward_backward()`` call unless both end with the same stage (the engine
+refuses that call with INVALID_ARGUMENT: the tail is the last stage of both); give such calls a
+plan of their own.
 
 A per-call plan (``RoundPipeRunConfig(execute_plan=plan)`` on one call) switches the engine's
-stage plan for that call (``rp_model_set_stage_plan``) and back to the model's own plan at the
-next call without one; ``RoundPipe.set_stage_plan`` changes the model's own plan. A training
-``forward()`` whose backward has not run yet keeps its plan: switching then raises
+plans for that call and back to the model's own at the next call without one;
+``RoundPipe.set_stage_plan`` changes the model's own plan (and drops its backward plan). A
+training ``forward()`` whose backward has not run yet keeps its plan: switching then raises
 RoundPipeError (STATE) until ``loss.backward()`` has run.
 
 A plan that breaks upstream's validation rules (layers not covered exactly once, forward not
@@ -33,7 +34,7 @@ ascending, backward not descending, the fused rule) raises :class:`RoundPipeErro
 (INVALID_ARGUMENT) naming ``execute_plan`` and the offending entry.
 """
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Union
 
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
 
@@ -47,6 +48,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelExecutePlan"]
 
+
+class EnginePlan(NamedTuple):
+    """What the engine is given for a plan: layers per stage (``rp_model_set_stage_plan``) and
+    layers per backward stage from layer 0 (``rp_model_set_backward_stage_plan``; None: the
+    forward stages)."""
+    forward: List[int]
+    backward: Optional[List[int]] = None
+
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES = ("infer", "train", "fused")
 
@@ -59,9 +68,8 @@ class ModelExecutePlan:
     """Execution plan of a RoundPipe model: which layers form each forward stage
     (``fwd_plan``) and each backward stage (``bwd_plan``), as lists of ``range``.
 
-    The engine runs backward over the forward's stages in reverse order, so only plans whose
-    backward stages are the forward ones reversed (plus the fused tail stage) can run; see the
-    module documentation for the mapping and the errors.
+    Backward stages may differ from the forward ones (upstream's asymmetric partitioning); see
+    the module documentation for how a plan maps onto the engine.
     """
 
     def __init__(self) -> None:
@@ -82,28 +90,31 @@ class ModelExecutePlan:
     # -- engine <-> upstream ------------------------------------------------------------------
 
     @classmethod
-    def from_stage_plan(cls, layers_per_stage: Sequence[int],
-                        run_type: RunType = "fused") -> "ModelExecutePlan":
+    def from_stage_plan(cls, layers_per_stage: Sequence[int], run_type: RunType = "fused",
+                        backward_layers_per_stage: Optional[Sequence[int]] = None
+                        ) -> "ModelExecutePlan":
         """The plan of run type `run_type` that the engine's stage plan `layers_per_stage`
-        (``RoundPipe.stage_plan()``) runs: "infer": the stages forward, no backward plan;
-        "train": the stages forward, then backward in reverse order; "fused": every stage but
-        the last forward, then backward from the last (the tail) down to the first."""
+        (``RoundPipe.stage_plan()``) and backward plan `backward_layers_per_stage`
+        (``RoundPipe.backward_stage_plan()``; None: the same stages) run: "infer": the stages
+        forward, no backward plan; "train": the stages forward, then the backward stages,
+        deepest first; "fused": every stage but the last forward, then the backward stages from
+        the last (the tail) down to the first."""
         _check_run_type(run_type)
-        stages, at = [], 0
-        for n in layers_per_stage:
-            stages.append(range(at, at + int(n)))
-            at += int(n)
+        stages = _stage_ranges(layers_per_stage)
+        backward = stages if backward_layers_per_stage is None \
+            else _stage_ranges(backward_layers_per_stage)
         plan = cls()
         plan.fwd_plan = stages[:-1] if run_type == "fused" else list(stages)
-        plan.bwd_plan = [] if run_type == "infer" else list(reversed(stages))
+        plan.bwd_plan = [] if run_type == "infer" else list(reversed(backward))
         return plan
 
-    def stage_plan(self, num_layers: int, run_type: Optional[RunType] = None) -> List[int]:
-        """The engine's stage plan (layers per stage) for this plan over `num_layers` layers.
+    def stage_plan(self, num_layers: int, run_type: Optional[RunType] = None) -> EnginePlan:
+        """The engine's stage plan and backward stage plan for this plan over `num_layers`
+        layers.
 
         `run_type`: "fused" (a forward_backward() call), "infer" / "train" (a forward() call),
         or None (a model-level plan: either form). Raises RoundPipeError (INVALID_ARGUMENT) for
-        a plan upstream rejects, RoundPipeUnsupportedError for one the engine cannot run."""
+        a plan upstream rejects."""
         if run_type is not None:
             _check_run_type(run_type)
         fwd = _ranges(self.fwd_plan, "fwd_plan")
@@ -151,15 +162,12 @@ class ModelExecutePlan:
             stages = fwd
         if not stages:
             raise _bad("the plan has no stage")
-        if bwd and list(reversed(bwd)) != stages:
-            raise RoundPipeUnsupportedError(
-                "execute_plan: bwd_plan %r differs from the forward stages %s reversed; the "
-                "engine runs backward over the forward's stages in reverse order (one stage "
-                "plan per model), so bwd_plan must be %r"
-                % (bwd, stages, list(reversed(stages))))
-        return [len(r) for r in stages]
+        forward = [len(r) for r in stages]
+        if not bwd or list(reversed(bwd)) == stages:
+            return EnginePlan(forward)
+        return EnginePlan(forward, [len(r) for r in reversed(bwd)])
 
-    def layers_per_stage_hint(self) -> List[int]:
+    def layers_per_stage_hint(self) -> EnginePlan:
         """Layers per stage before the model's layer count is known (a model-level plan):
         the plan checked as covering layers 0..N-1, N the highest layer it names + 1, in
         either form. The engine then checks N against the model (and check_model_plan
@@ -217,7 +225,9 @@ class ModelExecutePlan:
             counts = m.stage_plan()
             if model_memory_limit is not None:
                 _check_memory(m, counts, float(model_memory_limit))
-            plans.append(cls.from_stage_plan(counts, run_type))
+            backward = m.backward_stage_plan()
+            plans.append(cls.from_stage_plan(counts, run_type,
+                                             None if backward == counts else backward))
         return plans[0] if len(plans) == 1 else plans
 
 
@@ -225,6 +235,14 @@ def _check_run_type(run_type: object) -> None:
     if run_type not in _RUN_TYPES:
         raise RoundPipeError(Status.INVALID_ARGUMENT, "run_type must be \"infer\", \"train\" "
                              "or \"fused\", got %r" % (run_type,))
+
+
+def _stage_ranges(layers_per_stage: Sequence[int]) -> List[range]:
+    stages, at = [], 0
+    for n in layers_per_stage:
+        stages.append(range(at, at + int(n)))
+        at += int(n)
+    return stages
 
 
 def _ranges(value: object, name: str) -> List[range]:
@@ -268,17 +286,17 @@ def _check_memory(model: "RoundPipe", counts: List[int], limit_gb: float) -> Non
 
 
 def model_stage_plan(stage_plan: Optional[Sequence[int]],
-                     execute_plan: Optional[ModelExecutePlan]) -> Optional[List[int]]:
-    """The stage plan a model is built with: `stage_plan` (RoundPipe's own argument) or the
+                     execute_plan: Optional[ModelExecutePlan]) -> Optional[EnginePlan]:
+    """The plans a model is built with: `stage_plan` (RoundPipe's own argument) or the
     model-level run configuration's `execute_plan` (both given: they must agree)."""
     if execute_plan is None:
-        return None if stage_plan is None else list(stage_plan)
-    counts = execute_plan.layers_per_stage_hint()
-    if stage_plan is not None and list(stage_plan) != counts:
+        return None if stage_plan is None else EnginePlan([int(n) for n in stage_plan])
+    plans = execute_plan.layers_per_stage_hint()
+    if stage_plan is not None and list(stage_plan) != plans.forward:
         raise RoundPipeError(Status.INVALID_ARGUMENT, "stage_plan %r and the model_run_config's "
                              "execute_plan (%r layers per stage) disagree; give one"
-                             % (list(stage_plan), counts))
-    return counts
+                             % (list(stage_plan), plans.forward))
+    return plans
 
 
 def check_model_plan(model: "RoundPipe") -> None:
@@ -291,8 +309,8 @@ def check_model_plan(model: "RoundPipe") -> None:
 def check_call_plan(model: "RoundPipe", run_config: Optional[object], run_type: RunType) -> None:
     """A per-call execute_plan must be valid for the call (`run_type`: "fused" for
     forward_backward(), "infer" for forward()); the engine switches to it for the call
-    (``rp_model_set_stage_plan``) and back to the model's own plan at the next call without
-    one."""
+    (``rp_model_set_stage_plan``, ``rp_model_set_backward_stage_plan``) and back to the model's
+    own plans at the next call without one."""
     plan = getattr(run_config, "execute_plan", None)
     if plan is None:
         model._use_call_plan(None)

@@ -26,7 +26,7 @@ from ._internals import CallScope, Loss, Model, ModelOptions, Params, RunConfig
 from ._call_hooks import forward_backward_call, forward_call
 from ._microbatch import (RoundPipePackedData, builtin_label_dim, call_inputs, merge_outputs,
                           pack_leaves, split_label)
-from .execute_plan import check_model_plan, model_stage_plan
+from .execute_plan import EnginePlan, check_model_plan, model_stage_plan
 from .config import _GRAINS, RoundPipeRunConfig
 from .convert import resolve_model
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
@@ -117,11 +117,11 @@ class RoundPipe(WeightsMixin):
             host_memory_mode=host_memory_mode, seed=seed, name=str(name),
             devices=parse_devices(devices), gpu_memory_cap=gpu_memory_cap,
             grad_scaler=parse_grad_scaler(grad_scaler),
-            stage_plan=model_stage_plan(stage_plan, model_run_config.execute_plan),
             skip_nonfinite_steps=bool(skip_nonfinite_steps))
-        # The model's own plan (None: the planner's), restored after a call with a plan of its
+        # The model's own plans (None: the planner's), restored after a call with a plan of its
         # own (execute_plan.check_call_plan).
-        self._model_plan = options["stage_plan"]
+        self._model_plan = model_stage_plan(stage_plan, model_run_config.execute_plan)
+        options["stage_plan"] = self._model_plan.forward if self._model_plan else None
         self._plan_overridden = False
         # The engine gets the model-level fields it holds and overlays each call's on them; the
         # Python-only ones (split specs, custom merges) are overlaid by call_fields() per call.
@@ -133,6 +133,8 @@ class RoundPipe(WeightsMixin):
                 shared = {}  # tied weights across Python layers: one engine parameter
                 source.layer_defs = [layer.declare(shared) for layer in self._python_layers]
                 self._model = Model(source, c_options)
+                if self._model_plan and self._model_plan.backward:
+                    self._model.set_backward_stage_plan(self._model_plan.backward)
         except BaseException:
             self._unregister_layers()
             raise
@@ -321,22 +323,48 @@ class RoundPipe(WeightsMixin):
     def set_stage_plan(self, layers_per_stage: Optional[Sequence[int]]) -> None:
         """Replace the model's stage plan (``rp_model_set_stage_plan``): stage s holds the next
         ``layers_per_stage[s]`` layers; None returns to the automatic planner. It becomes the
-        model's own plan (what calls without a per-call ``execute_plan`` run)."""
+        model's own plan (what calls without a per-call ``execute_plan`` run); a backward stage
+        plan set before is dropped."""
         counts = [] if layers_per_stage is None else [int(c) for c in layers_per_stage]
         self._model.set_stage_plan(counts)
-        self._model_plan = counts or None
+        self._model_plan = EnginePlan(counts) if counts else None
         self._plan_overridden = False
 
-    def _use_call_plan(self, counts: Optional[List[int]]) -> None:
-        """Run the next call on `counts` (a per-call execute_plan), or on the model's own plan
+    def backward_stage_plan(self) -> List[int]:
+        """The backward stages in force (``rp_model_backward_stage_plan``): layers per stage
+        from layer 0, as :meth:`stage_plan`; the forward stages unless
+        :meth:`set_backward_stage_plan` (or an asymmetric ``execute_plan``) set others."""
+        return self._model.backward_stage_plan()
+
+    def set_backward_stage_plan(self, layers_per_stage: Optional[Sequence[int]]) -> None:
+        """Backward stages that differ from the forward ones
+        (``rp_model_set_backward_stage_plan``): backward stage b holds the next
+        ``layers_per_stage[b]`` layers from layer 0; None: the forward stages again. Needs an
+        explicit stage plan (:meth:`set_stage_plan`); ``forward_backward()`` needs both plans
+        to end with the same stage (the tail). It becomes part of the model's own plan."""
+        counts = [] if layers_per_stage is None else [int(c) for c in layers_per_stage]
+        self._model.set_backward_stage_plan(counts)
+        if self._model_plan is not None:
+            self._model_plan = EnginePlan(self._model_plan.forward, counts or None)
+        self._plan_overridden = False
+
+    def _use_call_plan(self, plans: Optional[EnginePlan]) -> None:
+        """Run the next call on `plans` (a per-call execute_plan), or on the model's own plans
         again (None) after a call that had one."""
-        if counts is None:
+        if plans is None:
             if self._plan_overridden:
-                self._model.set_stage_plan(self._model_plan or [])
+                own = self._model_plan
+                self._model.set_stage_plan(own.forward if own else [])
+                if own and own.backward:
+                    self._model.set_backward_stage_plan(own.backward)
                 self._plan_overridden = False
             return
-        if counts != self._model.stage_plan():
-            self._model.set_stage_plan(counts)
+        backward = plans.backward or plans.forward
+        if plans.forward != self._model.stage_plan() or \
+                backward != self._model.backward_stage_plan():
+            self._model.set_stage_plan(plans.forward)
+            if plans.backward:
+                self._model.set_backward_stage_plan(plans.backward)
             self._plan_overridden = True
 
     @property

@@ -489,6 +489,18 @@ rp_model_set_stage_plan(model, layers_per_stage, n) =
           (Ptr{rp_model}, Ptr{Int32}, Csize_t),
           model, layers_per_stage, n)
 
+# rp_status rp_model_set_backward_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
+rp_model_set_backward_stage_plan(model, layers_per_stage, n) =
+    ccall((:rp_model_set_backward_stage_plan, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Ptr{Int32}, Csize_t),
+          model, layers_per_stage, n)
+
+# rp_status rp_model_backward_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
+rp_model_backward_stage_plan(out_layers_per_stage, out_num_stages, capacity, model) =
+    ccall((:rp_model_backward_stage_plan, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Int32}, Int32, Ptr{rp_model}),
+          out_layers_per_stage, out_num_stages, capacity, model)
+
 # rp_status rp_model_resolve_run_config(rp_run_config **out_config, const rp_model *model, const rp_run_config *call);
 rp_model_resolve_run_config(out_config, model, call) =
     ccall((:rp_model_resolve_run_config, libroundpipe()), rp_status,

@@ -39,7 +39,8 @@ export Model, RunConfig, Loss, Optimizer, RoundPipeError, StepContext
 export forward, forward_backward, step!, synchronize!, zero_grad!, adam_apply!
 export num_layers, num_stages, num_devices, step_count, host_state_bytes, trace_json
 export nonfinite_counts, set_grad_scaler!, set_skip_nonfinite_steps!
-export stage_plan, set_stage_plan!, resolve_run_config, split_microbatches
+export stage_plan, set_stage_plan!, backward_stage_plan, set_backward_stage_plan!
+export resolve_run_config, split_microbatches
 export num_microbatch, recompute_grain, output_device, merge_output
 export param_count, param_name, param_names, param_find, param_shape, param_hf_name
 export param_master, param_grad, with_param_master, with_param_grad

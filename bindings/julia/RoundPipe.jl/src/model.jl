@@ -116,20 +116,46 @@ The current stage plan, as the engine decided it (the `stage_plan` option, else 
 on GPUs, re-planned from measured times by the first training call): stage `s` holds the next
 `stage_plan(model)[s]` layers of the layer list, so the counts add up to `num_layers(model)`.
 """
-function stage_plan(m::Model)
+stage_plan(m::Model) = _read_plan(L.rp_model_stage_plan, m)
+
+"""
+    backward_stage_plan(model) -> Vector{Int}
+
+The backward stage plan in force: the one `set_backward_stage_plan!` set, else the forward
+stages of `stage_plan(model)`.
+"""
+backward_stage_plan(m::Model) = _read_plan(L.rp_model_backward_stage_plan, m)
+
+# rp_model_stage_plan / rp_model_backward_stage_plan: ask for the count, then the plan.
+function _read_plan(query, m::Model)
     n = Ref{Int32}(0)
-    @check L.rp_model_stage_plan(Ptr{Int32}(C_NULL), n, Int32(0), _ptr(m))
+    @check query(Ptr{Int32}(C_NULL), n, Int32(0), _ptr(m))
     plan = zeros(Int32, n[])
-    @check L.rp_model_stage_plan(plan, n, Int32(length(plan)), _ptr(m))
+    @check query(plan, n, Int32(length(plan)), _ptr(m))
     return Int.(plan)
 end
 
-"Replace the stage plan (layers per stage; empty: the automatic planner)."
-function set_stage_plan!(m::Model, layers_per_stage::AbstractVector{<:Integer})
+"Replace the stage plan (layers per stage; empty: the automatic planner). A backward stage plan
+set before is dropped."
+set_stage_plan!(m::Model, layers_per_stage::AbstractVector{<:Integer}) =
+    _write_plan(L.rp_model_set_stage_plan, m, layers_per_stage)
+
+"""
+    set_backward_stage_plan!(model, layers_per_stage)
+
+Backward stages that differ from the forward ones (upstream's asymmetric execute plans):
+backward stage `b` holds the next `layers_per_stage[b]` layers from layer 0; empty: the forward
+stages again. Needs an explicit forward plan (`set_stage_plan!`); a fused `forward_backward`
+needs both plans to end with the same stage (the tail).
+"""
+set_backward_stage_plan!(m::Model, layers_per_stage::AbstractVector{<:Integer}) =
+    _write_plan(L.rp_model_set_backward_stage_plan, m, layers_per_stage)
+
+function _write_plan(set, m::Model, layers_per_stage)
     plan = Int32[c for c in layers_per_stage]
     GC.@preserve plan begin
-        @check L.rp_model_set_stage_plan(_ptr(m), isempty(plan) ? Ptr{Int32}(C_NULL) :
-                                         pointer(plan), Csize_t(length(plan)))
+        @check set(_ptr(m), isempty(plan) ? Ptr{Int32}(C_NULL) : pointer(plan),
+                   Csize_t(length(plan)))
     end
     return m
 end

@@ -290,6 +290,19 @@ end
     end
 end
 
+@testset "backward stage plan: needs a forward plan, reads back, dropped by a new one" begin
+    Model(Example.SPEC; devices=:cpu, num_devices=2) do m
+        @test_throws RoundPipeError set_backward_stage_plan!(m, [1, 1, 1, 1])
+        set_stage_plan!(m, [2, 2])
+        @test backward_stage_plan(m) == [2, 2]
+        set_backward_stage_plan!(m, [1, 1, 2])
+        @test backward_stage_plan(m) == [1, 1, 2] && stage_plan(m) == [2, 2]
+        @test_throws RoundPipeError set_backward_stage_plan!(m, [1, 1])
+        set_stage_plan!(m, [4])
+        @test backward_stage_plan(m) == [4]
+    end
+end
+
 @testset "run config getters: nothing when unset, else what was set" begin
     RunConfig() do c
         @test num_microbatch(c) === nothing && recompute_grain(c) === nothing

@@ -422,6 +422,17 @@ extern "C" {
         layers_per_stage: *const i32,
         n: usize,
     ) -> rp_status;
+    pub fn rp_model_set_backward_stage_plan(
+        model: *mut rp_model,
+        layers_per_stage: *const i32,
+        n: usize,
+    ) -> rp_status;
+    pub fn rp_model_backward_stage_plan(
+        out_layers_per_stage: *mut i32,
+        out_num_stages: *mut i32,
+        capacity: i32,
+        model: *const rp_model,
+    ) -> rp_status;
     pub fn rp_model_resolve_run_config(
         out_config: *mut *mut rp_run_config,
         model: *const rp_model,

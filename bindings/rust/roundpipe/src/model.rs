@@ -17,6 +17,10 @@ use crate::optim::Optimizer;
 use crate::tensor::{borrowed_managed, optional_managed, AsDlpack, DlTensor};
 use crate::tensor_list::{take_list, take_list_optional};
 
+// rp_model_stage_plan and rp_model_backward_stage_plan share this signature.
+type PlanQuery =
+    unsafe extern "C" fn(*mut i32, *mut i32, i32, *const sys::rp_model) -> sys::rp_status;
+
 /// A model: layers, host parameter store, optimizer state, device workers and threads.
 ///
 /// `Send` but not `Sync`: one thread drives a model at a time (the header's rule), which the
@@ -332,20 +336,13 @@ impl Model {
     /// call): stage `s` holds the next `plan[s]` layers, so the counts add up to
     /// [`num_layers`](Self::num_layers).
     pub fn stage_plan(&self) -> Result<Vec<i32>> {
-        let mut n = 0i32;
-        check(unsafe { sys::rp_model_stage_plan(ptr::null_mut(), &mut n, 0, self.ptr.as_ptr()) })?;
-        let mut plan = vec![0i32; n.max(0) as usize];
-        let capacity = plan.len() as i32;
-        check(unsafe {
-            sys::rp_model_stage_plan(plan.as_mut_ptr(), &mut n, capacity, self.ptr.as_ptr())
-        })?;
-        plan.truncate(n.max(0) as usize);
-        Ok(plan)
+        self.read_plan(sys::rp_model_stage_plan)
     }
 
     /// Replace the stage plan (`rp_model_set_stage_plan`): stage `s` holds the next
     /// `layers_per_stage[s]` layers; an empty slice returns to the automatic planner. Refused
-    /// (plan unchanged) for bad counts, or while a `forward_train` awaits its `backward`.
+    /// (plan unchanged) for bad counts, or while a `forward_train` awaits its `backward`. A
+    /// backward stage plan set before is dropped.
     pub fn set_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<()> {
         check(unsafe {
             sys::rp_model_set_stage_plan(
@@ -354,6 +351,41 @@ impl Model {
                 layers_per_stage.len(),
             )
         })
+    }
+
+    /// The backward stage plan in force (`rp_model_backward_stage_plan`): the one
+    /// [`set_backward_stage_plan`](Self::set_backward_stage_plan) set, else the forward stages
+    /// of [`stage_plan`](Self::stage_plan).
+    pub fn backward_stage_plan(&self) -> Result<Vec<i32>> {
+        self.read_plan(sys::rp_model_backward_stage_plan)
+    }
+
+    /// Backward stages that differ from the forward ones (`rp_model_set_backward_stage_plan`,
+    /// upstream's asymmetric execute plans): backward stage `b` holds the next
+    /// `layers_per_stage[b]` layers from layer 0; an empty slice goes back to the forward
+    /// stages. Needs an explicit forward plan ([`set_stage_plan`](Self::set_stage_plan)); a
+    /// fused [`forward_backward`](Self::forward_backward) needs both plans to end with the same
+    /// stage (the tail). Refused (plan unchanged) for bad counts, without an explicit forward
+    /// plan, or while a `forward_train` awaits its `backward`.
+    pub fn set_backward_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<()> {
+        check(unsafe {
+            sys::rp_model_set_backward_stage_plan(
+                self.ptr.as_ptr(),
+                layers_per_stage.as_ptr(),
+                layers_per_stage.len(),
+            )
+        })
+    }
+
+    // rp_model_stage_plan / rp_model_backward_stage_plan: ask for the count, then the plan.
+    fn read_plan(&self, query: PlanQuery) -> Result<Vec<i32>> {
+        let mut n = 0i32;
+        check(unsafe { query(ptr::null_mut(), &mut n, 0, self.ptr.as_ptr()) })?;
+        let mut plan = vec![0i32; n.max(0) as usize];
+        let capacity = plan.len() as i32;
+        check(unsafe { query(plan.as_mut_ptr(), &mut n, capacity, self.ptr.as_ptr()) })?;
+        plan.truncate(n.max(0) as usize);
+        Ok(plan)
     }
 
     /// The run configuration a call given `call` would use: the model's configuration

@@ -32,15 +32,26 @@ fn saving_and_loading_weights_report_progress_ending_at_the_total() {
     let seen = seen.lock().unwrap();
     let p = path.display().to_string();
     for verb in ["save", "load"] {
-        let calls: Vec<_> = seen.iter().filter(|c| c.0 == format!("{} {}", verb, p)).collect();
+        let calls: Vec<_> = seen
+            .iter()
+            .filter(|c| c.0 == format!("{} {}", verb, p))
+            .collect();
         assert!(calls.len() >= 2, "{:?}", *seen);
         assert!(calls.iter().all(|c| c.2 == 144), "{:?}", calls);
         assert_eq!(calls[0].1, 0);
         assert_eq!(calls.last().unwrap().1, 144);
-        assert_eq!(calls.iter().filter(|c| c.1 == c.2).count(), 1, "{:?}", calls);
+        assert_eq!(
+            calls.iter().filter(|c| c.1 == c.2).count(),
+            1,
+            "{:?}",
+            calls
+        );
     }
     // Only these two operations were reported: not the save after the reset.
-    assert_eq!(seen.len(), seen.iter().filter(|c| c.0.ends_with(&p)).count());
+    assert_eq!(
+        seen.len(),
+        seen.iter().filter(|c| c.0.ends_with(&p)).count()
+    );
     assert_eq!(seen.iter().filter(|c| c.1 == c.2).count(), 2);
 
     // A closure that panics: the panic stays in Rust and the save succeeds.

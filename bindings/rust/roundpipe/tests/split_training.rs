@@ -58,3 +58,71 @@ fn backward_input_grads_of_a_linear_layer_are_g_times_w() {
         }
     }
 }
+
+/// An asymmetric plan (`set_backward_stage_plan`): one forward stage of two linear layers, two
+/// backward stages, so the forward keeps the activation between the layers. For h = W1 x + b1,
+/// y = W2 h + b2 and dL/dy = g per row: dW2 = sum g h^T, db2 = sum g, dh = W2^T g,
+/// dW1 = sum dh x^T, db1 = sum dh, worked out here in f64 from the model's own weights.
+#[test]
+fn backward_stages_that_differ_from_the_forward_give_the_hand_computed_gradients() {
+    let mut options = ModelOptions::new().unwrap();
+    options.set_devices(DeviceKind::Cpu, 2).unwrap();
+    let mut model = Model::new(
+        r#"{"layers":[{"type":"linear","in":2,"out":2},{"type":"linear","in":2,"out":1}]}"#,
+        Some(&options),
+    )
+    .unwrap();
+    let e = model.set_backward_stage_plan(&[1, 1]).unwrap_err();
+    assert_eq!(e.status(), Status::State, "{}", e.message()); // no explicit forward plan yet
+    model.set_stage_plan(&[2]).unwrap();
+    model.set_backward_stage_plan(&[1, 1]).unwrap();
+    assert_eq!(model.stage_plan().unwrap(), vec![2]);
+    assert_eq!(model.backward_stage_plan().unwrap(), vec![1, 1]);
+
+    let read = |model: &mut Model, i: usize| -> Vec<f64> {
+        let v: Vec<f32> = model.param_master(i).unwrap().view().to_vec().unwrap();
+        v.into_iter().map(f64::from).collect()
+    };
+    // The output bias enters no gradient.
+    let (w1, b1, w2) = (
+        read(&mut model, 0),
+        read(&mut model, 1),
+        read(&mut model, 2),
+    );
+    let xs = [1.0f32, 2.0, 3.0, 4.0, -1.0, 0.5, 0.0, 2.0];
+    let gs = [1.0f32, -2.0, 0.5, 3.0];
+    let x = Tensor::new(&xs, &[4, 2]).unwrap();
+    let g = Tensor::new(&gs, &[4, 1]).unwrap();
+    model.forward_train(&[&x], None).unwrap();
+    model.backward(&[Some(&g)]).unwrap();
+
+    let (mut dw1, mut db1, mut dw2, mut db2) = ([0.0f64; 4], [0.0f64; 2], [0.0f64; 2], 0.0f64);
+    for r in 0..4 {
+        let xr = [f64::from(xs[2 * r]), f64::from(xs[2 * r + 1])];
+        let gr = f64::from(gs[r]);
+        for j in 0..2 {
+            let h = b1[j] + w1[2 * j] * xr[0] + w1[2 * j + 1] * xr[1];
+            dw2[j] += gr * h;
+            let dh = w2[j] * gr;
+            db1[j] += dh;
+            dw1[2 * j] += dh * xr[0];
+            dw1[2 * j + 1] += dh * xr[1];
+        }
+        db2 += gr;
+    }
+    let want: [&[f64]; 4] = [&dw1, &db1, &dw2, &[db2]];
+    for (i, want) in want.iter().enumerate() {
+        let got: Vec<f32> = model.param_grad(i).unwrap().view().to_vec().unwrap();
+        for (a, b) in got.iter().zip(want.iter()) {
+            assert!(
+                (f64::from(*a) - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{i}: {got:?} vs {want:?}"
+            );
+        }
+    }
+    // A new forward plan drops the backward one.
+    model.set_stage_plan(&[1, 1]).unwrap();
+    assert_eq!(model.backward_stage_plan().unwrap(), vec![1, 1]);
+    model.set_stage_plan(&[2]).unwrap();
+    assert_eq!(model.backward_stage_plan().unwrap(), vec![2]);
+}
