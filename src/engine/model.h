@@ -202,12 +202,15 @@ class Model {
     std::vector<int> explicit_backward_plan_; // empty: the forward stages
     int64_t gpu_memory_cap_ = 0;
     double plan_cap_ = 0; // bytes the planner fits a device's stages into; 0: no limit
-    std::vector<double> layer_costs_; // estimated, then measured by the first GPU training call
+    std::vector<double> layer_costs_; // estimated, then measured by the second GPU training call
     std::vector<LayerFootprint> footprints_;
     using PlanKey = std::tuple<int64_t, int, int>; // tokens per microbatch, grain, use
     std::map<PlanKey, std::vector<Stage>> plans_;
     PlanKey last_plan_key_{0, 0, static_cast<int>(StageUse::Fused)};
+    // GPU training calls re-plan once, from the times the kReplanAfterCalls-th call measured.
+    static constexpr int kReplanAfterCalls = 2;
     bool replanned_ = false;
+    int calls_since_plan_ = 0;
     std::unordered_set<std::string> checked_shapes_; // input signatures that passed check_shapes
     RunConfig run_config_;
     Pipeline pipeline_;
