@@ -48,9 +48,12 @@ void Pipeline::run(CallContext &ctx) {
     for (auto &w : workers_)
         w->lane().begin_call();
     trace_.clear();
+    ctx.job_device.resize(num_jobs);
+    for (size_t job = 0; job < num_jobs; ++job)
+        ctx.job_device[job] = (cursor_ + job) % G;
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
-        const size_t device = (cursor_ + job) % G;
+        const size_t device = ctx.job_device[job];
         JobKind kind = backward_only         ? JobKind::Backward
                        : !fused || job + 1 < S ? JobKind::Forward
                        : job + 1 == S          ? JobKind::Tail

@@ -61,6 +61,11 @@ struct CallContext {
     at::Device output_device = at::Device(at::kCPU);
     bool keep_outputs = false;
     CallState *state = nullptr;
+    // Per job: the index of the device it runs on (set by Pipeline::run).
+    std::vector<size_t> job_device;
+    bool next_job_on_same_device(size_t job) const {
+        return job + 1 < job_device.size() && job_device[job + 1] == job_device[job];
+    }
     // Memory-saving mode: a stage's weights go up only once `gate` holds step `gate_step` for
     // every parameter of the stage.
     const StepGate *gate = nullptr;
