@@ -15,6 +15,10 @@
 # RP_GPU_SANITIZE_EXCLUDE, a compute-sanitizer kernel filter (e.g. "regex=gemm|nvjet"), leaves
 # matching kernels uninstrumented: racecheck runs the transformer tests' vendor GEMM and attention
 # kernels (cuBLAS, cuDNN, flash; closed source, and the bulk of the instrumented time) for hours.
+# RP_GPU_SANITIZE_INCLUDE, a filter of the same form, instruments only the matching kernels (e.g.
+# "regex=rp::kernels|2rp7kernels|at::native|2at6native": ours and ATen's, by demangled or mangled
+# name); racecheck on bf16 cuBLAS kernels stops with an internal sanitizer error, so the transformer
+# tests are raced this way.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/rp-gpu-check}
@@ -82,10 +86,14 @@ else
     step "sanitizer_$tool" env -u RP_TRACE_OUT RP_TEST_UNDER_SANITIZER=1 timeout --kill-after=30 "${RP_GPU_SANITIZE_TIMEOUT:-1800}" \
       "$cs" --tool "$tool" --target-processes all --error-exitcode 1 --print-limit 200 \
       ${RP_GPU_SANITIZE_EXCLUDE:+--kernel-name-exclude "$RP_GPU_SANITIZE_EXCLUDE"} \
+      ${RP_GPU_SANITIZE_INCLUDE:+--kernel-name "$RP_GPU_SANITIZE_INCLUDE"} \
       --log-file "$out/sanitizer_$tool.%p.txt" \
       ctest --test-dir "$build" -L gpu ${RP_GPU_SANITIZE_TESTS:+-R "$RP_GPU_SANITIZE_TESTS"} --output-on-failure
+    # memcheck ends with "ERROR SUMMARY: N errors", racecheck with "RACECHECK SUMMARY: H hazards
+    # displayed (N errors, W warnings)"; an internal sanitizer error counts as one of the latter.
     errors=$(cat "$out/sanitizer_$tool".*.txt 2>/dev/null |
-      sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' | awk '{n += $1} END {print n + 0}')
+      sed -n -e 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' \
+        -e 's/.*RACECHECK SUMMARY: .*(\([0-9][0-9]*\) error.*/\1/p' | awk '{n += $1} END {print n + 0}')
     tests=$(grep -E "tests passed|tests failed" "$out/sanitizer_$tool.log" | tail -1)
     sanitizer_line="${sanitizer_line:+$sanitizer_line, }$tool $errors errors (${tests:-no ctest summary})"
     [ "$errors" = 0 ] || status=failed
