@@ -147,10 +147,6 @@ std::vector<Stage> Model::make_plan(int64_t tokens, RecomputeGrain grain, StageU
     r.grain = grain;
     r.use = use;
     std::vector<Stage> stages = plan_balanced(r);
-    // On several devices, once a fused call has been measured: the plan whose predicted call is
-    // shortest where the jobs really run (pipeline_model.h), from the balanced one.
-    if (use == StageUse::Fused && num_devices() > 1 && !job_costs_.empty())
-        stages = improve_for_pipeline(r, stages, job_costs_, num_devices(), measured_microbatches_);
     if (plan_cap_ > 0 && tokens > 0) {
         double worst = 0;
         size_t worst_stage = 0;
@@ -210,58 +206,7 @@ const std::vector<Stage> &Model::plan_call(int64_t tokens, RecomputeGrain grain,
     return stages_;
 }
 
-// What each layer adds to each kind of job, from the last fused call's trace: a stage's forward,
-// backward and tail job times spread over its layers in proportion to their estimates. A layer's
-// cost in a kind of job it did not run is inferred: a backward job and the tail do the same work
-// (a forward and a backward), and a forward is the measured forward / backward ratio of the
-// other stages times that.
-std::vector<LayerJobCosts> Model::measured_job_costs() const {
-    std::vector<double> forward(stages_.size(), 0.0), backward(stages_.size(), 0.0);
-    double tail = 0;
-    for (const JobTrace &job : pipeline_.last_trace()) {
-        double ms = 0;
-        for (const TraceSpan &span : job.spans)
-            if (span.what == "compute")
-                ms += span.end_ms - span.start_ms;
-        (job.kind == JobKind::Forward ? forward[job.stage]
-         : job.kind == JobKind::Tail  ? tail
-                                      : backward[job.stage]) += ms;
-    }
-    std::vector<LayerJobCosts> costs(layers_.size());
-    double sum_forward = 0, sum_backward = 0;
-    for (size_t s = 0; s < stages_.size(); ++s) {
-        const bool last = s + 1 == stages_.size();
-        double estimate = 0;
-        for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
-            estimate += layers_[l]->cost_estimate();
-        for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l) {
-            const double share = estimate > 0 ? layers_[l]->cost_estimate() / estimate
-                                              : 1.0 / static_cast<double>(stages_[s].end_layer -
-                                                                          stages_[s].first_layer);
-            if (last) {
-                costs[l].tail = tail * share;
-            } else {
-                costs[l].forward = forward[s] * share;
-                costs[l].backward = backward[s] * share;
-                sum_forward += costs[l].forward;
-                sum_backward += costs[l].backward;
-            }
-        }
-    }
-    const double forward_per_backward = sum_backward > 0 ? sum_forward / sum_backward : 1.0 / 3.0;
-    for (size_t l = 0; l < layers_.size(); ++l) {
-        const bool in_tail = l >= stages_.back().first_layer;
-        if (in_tail) {
-            costs[l].backward = costs[l].tail;
-            costs[l].forward = forward_per_backward * costs[l].tail;
-        } else {
-            costs[l].tail = costs[l].backward;
-        }
-    }
-    return costs;
-}
-
-void Model::replan_from_trace(size_t microbatches) {
+void Model::replan_from_trace() {
     // Spread each stage's measured compute time over its layers in proportion to their
     // estimates, then re-balance with the same memory limit: layers the estimate got wrong move.
     // One GPU runs the jobs of a call one after another: a stage weighs the sum of its jobs.
@@ -288,12 +233,6 @@ void Model::replan_from_trace(size_t microbatches) {
             cost[l] = stage_ms[s] * layers_[l]->cost_estimate() / estimate;
     }
     layer_costs_ = std::move(cost);
-    double measured_plan_ms = 0;
-    if (several) {
-        job_costs_ = measured_job_costs();
-        measured_microbatches_ = microbatches;
-        measured_plan_ms = predicted_call_ms(stages_, job_costs_, num_devices(), microbatches);
-    }
     plans_.clear();
     stages_ = make_plan(std::get<0>(last_plan_key_),
                         static_cast<RecomputeGrain>(std::get<1>(last_plan_key_)),
@@ -304,15 +243,8 @@ void Model::replan_from_trace(size_t microbatches) {
         measured += (measured.empty() ? "" : ", ") + std::to_string(static_cast<int>(ms));
     for (int c : stage_plan())
         plan += (plan.empty() ? "" : ", ") + std::to_string(c);
-    std::string prediction;
-    if (several)
-        prediction = " (predicted call " +
-                     std::to_string(static_cast<int>(
-                         predicted_call_ms(stages_, job_costs_, num_devices(), microbatches))) +
-                     " ms; the measured plan's predicted " +
-                     std::to_string(static_cast<int>(measured_plan_ms)) + " ms)";
     log(LogLevel::Info, name_ + ": re-planned from measured stage times [" + measured +
-                            "] ms: layers per stage [" + plan + "]" + prediction);
+                            "] ms: layers per stage [" + plan + "]");
 }
 
 void Model::check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
@@ -558,7 +490,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     if (!replanned_ && has_cuda_devices() && explicit_plan_.empty() &&
         ++calls_since_plan_ == kReplanAfterCalls) {
         replanned_ = true;
-        replan_from_trace(mb.inputs.size());
+        replan_from_trace();
     }
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)

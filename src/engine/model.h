@@ -18,7 +18,6 @@
 #include "engine/param_store.h"
 #include "engine/pipeline.h"
 #include "engine/run_config.h"
-#include "engine/pipeline_model.h"
 #include "engine/stage_planner.h"
 #include "engine/step_gate.h"
 #include "engine/trace.h"
@@ -191,8 +190,7 @@ class Model {
     std::vector<Stage> make_plan(int64_t tokens, RecomputeGrain grain, StageUse use) const;
     // The backward stages of a call whose forward runs `forward`.
     std::vector<Stage> backward_plan_for(const std::vector<Stage> &forward) const;
-    void replan_from_trace(size_t microbatches);
-    std::vector<LayerJobCosts> measured_job_costs() const;
+    void replan_from_trace();
     void rethrow_step_error();
 
     std::string name_;
@@ -206,10 +204,6 @@ class Model {
     double plan_cap_ = 0; // bytes the planner fits a device's stages into; 0: no limit
     std::vector<double> layer_costs_; // estimated, then measured by the second GPU training call
     std::vector<LayerFootprint> footprints_;
-    // Several devices: per layer, what it added to each kind of job in the measured call, and
-    // that call's microbatch count (empty until the re-plan).
-    std::vector<LayerJobCosts> job_costs_;
-    size_t measured_microbatches_ = 1;
     using PlanKey = std::tuple<int64_t, int, int>; // tokens per microbatch, grain, use
     std::map<PlanKey, std::vector<Stage>> plans_;
     PlanKey last_plan_key_{0, 0, static_cast<int>(StageUse::Fused)};
