@@ -1,11 +1,11 @@
 #include "engine/stage_executor.h"
 
-#include <mutex>
 #include <optional>
 
 #include <torch/csrc/autograd/variable.h>
 
 #include "base/error.h"
+#include "engine/final_gradients.h"
 #include "engine/seed.h"
 
 namespace rp {
@@ -63,114 +63,6 @@ StageWeights make_leaves(const CallContext &ctx, const Stage &stage, const Trans
     }
     return w;
 }
-
-// Gradients leave the device in the model dtype (half the bytes for bf16); the accumulator widens
-// them to fp32 on the host as they land. With each group goes one number per gradient that says
-// whether any element is inf or nan: its sum in float64, which propagates both and cannot
-// overflow, so the host is spared a second pass over the bytes.
-void download_group(CallContext &ctx, std::vector<std::pair<size_t, at::Tensor>> grads,
-                    std::vector<at::Tensor> sums, DeviceLane &lane, size_t job,
-                    std::shared_ptr<void> after) {
-    if (grads.empty())
-        return;
-    std::vector<at::Tensor> device;
-    for (const auto &g : grads)
-        device.push_back(g.second);
-    device.insert(device.end(), sums.begin(), sums.end());
-    Transfer host = lane.download(device, job, Payload::Gradients, std::move(after));
-    for (size_t i = 0; i < grads.size(); ++i)
-        grads[i].second = host.tensors[i];
-    std::vector<at::Tensor> checks(host.tensors.begin() + static_cast<long>(grads.size()),
-                                   host.tensors.end());
-    ctx.gradients->add(std::move(grads), std::move(checks), std::move(host), lane);
-}
-
-// A stage's weight gradients are final once its last microbatch has been back-propagated. To
-// keep the end of a call from waiting for a whole stage's download and host accumulation, each
-// trainable leaf gets a post-accumulation hook for that last backward. Autograd calls it as soon
-// as the leaf's gradient is final, on its own thread, while it is still enqueueing the kernels
-// of the layers below; the hook sums the gradient (the non-finite check) and, once a group of
-// about kGroupBytes is final, enqueues the group's download behind a marker of the compute so
-// far. The host must not wait for the backward to return first: the CPU is not always ahead of
-// the GPU at that point (an embedding's backward reads a count back from the device), and the
-// downloads would then all start after the last kernel.
-class FinalGradients {
-  public:
-    FinalGradients(CallContext &ctx, const StageWeights &w, DeviceLane &lane, size_t job)
-        : ctx_(ctx), w_(w), lane_(lane), job_(job), sent_(w.leaves.size(), false) {
-        for (size_t i = 0; i < w_.leaves.size(); ++i)
-            torch::autograd::impl::set_post_acc_grad_hooks(w_.leaves[i].second,
-                                                           std::make_unique<Hook>(this, i));
-    }
-    ~FinalGradients() {
-        for (auto &leaf : w_.leaves)
-            torch::autograd::impl::set_post_acc_grad_hooks(leaf.second, nullptr);
-    }
-    FinalGradients(const FinalGradients &) = delete;
-    FinalGradients &operator=(const FinalGradients &) = delete;
-
-    // After the backward: the last group, then every other leaf holding a gradient (none in
-    // the usual case: a parameter the last microbatch did not reach).
-    void finish() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        flush();
-        at::NoGradGuard no_grad;
-        for (size_t i = 0; i < w_.leaves.size(); ++i) {
-            const at::Tensor g = w_.leaves[i].second.grad();
-            if (!sent_[i] && g.defined())
-                add(i, g, g.sum(at::kDouble));
-        }
-        flush();
-    }
-
-  private:
-    // Large enough that a group's download is not dominated by its fixed costs, small enough
-    // that a decoder layer of a 1B-class model is a group of its own.
-    static constexpr int64_t kGroupBytes = int64_t{64} << 20;
-
-    struct Hook final : torch::autograd::PostAccumulateGradHook {
-        Hook(FinalGradients *owner, size_t leaf) : owner_(owner), leaf_(leaf) {}
-        void operator()(const torch::autograd::Variable &tensor) override {
-            const at::Tensor g = tensor.grad();
-            if (!g.defined()) // nothing accumulated (a caller layer gave no gradient)
-                return;
-            at::NoGradGuard no_grad;
-            at::Tensor sum = g.sum(at::kDouble);
-            std::lock_guard<std::mutex> lock(owner_->mutex_);
-            owner_->add(leaf_, g, std::move(sum));
-            if (owner_->bytes_ >= kGroupBytes)
-                owner_->flush();
-        }
-        FinalGradients *owner_;
-        size_t leaf_;
-    };
-
-    void add(size_t leaf, const at::Tensor &grad, at::Tensor sum) {
-        sent_[leaf] = true;
-        grads_.emplace_back(w_.leaves[leaf].first, grad);
-        sums_.push_back(std::move(sum));
-        bytes_ += static_cast<int64_t>(grad.nbytes());
-    }
-    void flush() {
-        if (grads_.empty())
-            return;
-        download_group(ctx_, std::move(grads_), std::move(sums_), lane_, job_,
-                       lane_.mark_compute());
-        grads_.clear();
-        sums_.clear();
-        bytes_ = 0;
-    }
-
-    CallContext &ctx_;
-    const StageWeights &w_;
-    DeviceLane &lane_;
-    size_t job_;
-    std::mutex mutex_;
-    std::vector<bool> sent_;
-    std::vector<std::pair<size_t, at::Tensor>> grads_; // the group being gathered
-    std::vector<at::Tensor> sums_;
-    int64_t bytes_ = 0;
-};
 
 // Buffers a forward or tail job updated on the device go back to host memory before the job
 // ends (on CPU devices the layers wrote the host copy itself).
@@ -411,7 +303,7 @@ void run_tail(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const St
     at::AutoGradMode grad_mode(true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
         if (m + 1 == ctx.num_microbatches())
-            final.emplace(ctx, w, lane, job);
+            final.emplace(ctx, w.leaves, lane, job);
         Activation x = to_device(lane, stage_input(ctx, job, s, m), job, ctx.store.model_dtype());
         maybe_require_grad(x, s > 0);
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, true);
@@ -432,7 +324,7 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
     at::AutoGradMode grad_mode(true);
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
         if (m + 1 == ctx.num_microbatches())
-            final.emplace(ctx, w, lane, job);
+            final.emplace(ctx, w.leaves, lane, job);
         // The first backward job of a BackwardOnly call starts from the caller's gradients.
         Transfer incoming = ctx.kind == CallKind::BackwardOnly && job == 0
                                 ? std::move(ctx.output_grads[m])

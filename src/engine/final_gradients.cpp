@@ -1,0 +1,90 @@
+#include "engine/final_gradients.h"
+
+#include <torch/csrc/autograd/variable.h>
+
+namespace rp {
+namespace {
+
+// Gradients leave the device in the model dtype (half the bytes for bf16); the accumulator widens
+// them to fp32 on the host as they land. With each group goes one number per gradient that says
+// whether any element is inf or nan: its sum in float64, which propagates both and cannot
+// overflow, so the host is spared a second pass over the bytes.
+void download_group(CallContext &ctx, std::vector<std::pair<size_t, at::Tensor>> grads,
+                    std::vector<at::Tensor> sums, DeviceLane &lane, size_t job,
+                    std::shared_ptr<void> after) {
+    if (grads.empty())
+        return;
+    std::vector<at::Tensor> device;
+    for (const auto &g : grads)
+        device.push_back(g.second);
+    device.insert(device.end(), sums.begin(), sums.end());
+    Transfer host = lane.download(device, job, Payload::Gradients, std::move(after));
+    for (size_t i = 0; i < grads.size(); ++i)
+        grads[i].second = host.tensors[i];
+    std::vector<at::Tensor> checks(host.tensors.begin() + static_cast<long>(grads.size()),
+                                   host.tensors.end());
+    ctx.gradients->add(std::move(grads), std::move(checks), std::move(host), lane);
+}
+
+} // namespace
+
+struct FinalGradients::Hook final : torch::autograd::PostAccumulateGradHook {
+    Hook(FinalGradients *owner, size_t leaf) : owner_(owner), leaf_(leaf) {}
+    void operator()(const torch::autograd::Variable &tensor) override {
+        const at::Tensor g = tensor.grad();
+        if (!g.defined()) // nothing accumulated (a caller layer gave no gradient)
+            return;
+        at::NoGradGuard no_grad;
+        at::Tensor sum = g.sum(at::kDouble);
+        std::lock_guard<std::mutex> lock(owner_->mutex_);
+        owner_->add(leaf_, g, std::move(sum));
+        if (owner_->bytes_ >= kGroupBytes)
+            owner_->flush();
+    }
+    FinalGradients *owner_;
+    size_t leaf_;
+};
+
+FinalGradients::FinalGradients(CallContext &ctx,
+                               const std::vector<std::pair<size_t, at::Tensor>> &leaves,
+                               DeviceLane &lane, size_t job)
+    : ctx_(ctx), leaves_(leaves), lane_(lane), job_(job), sent_(leaves.size(), false) {
+    for (size_t i = 0; i < leaves_.size(); ++i)
+        torch::autograd::impl::set_post_acc_grad_hooks(leaves_[i].second,
+                                                       std::make_unique<Hook>(this, i));
+}
+
+FinalGradients::~FinalGradients() {
+    for (auto &leaf : leaves_)
+        torch::autograd::impl::set_post_acc_grad_hooks(leaf.second, nullptr);
+}
+
+void FinalGradients::finish() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    flush();
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < leaves_.size(); ++i) {
+        const at::Tensor g = leaves_[i].second.grad();
+        if (!sent_[i] && g.defined())
+            add(i, g, g.sum(at::kDouble));
+    }
+    flush();
+}
+
+void FinalGradients::add(size_t leaf, const at::Tensor &grad, at::Tensor sum) {
+    sent_[leaf] = true;
+    grads_.emplace_back(leaves_[leaf].first, grad);
+    sums_.push_back(std::move(sum));
+    bytes_ += static_cast<int64_t>(grad.nbytes());
+}
+
+void FinalGradients::flush() {
+    if (grads_.empty())
+        return;
+    download_group(ctx_, std::move(grads_), std::move(sums_), lane_, job_, lane_.mark_compute());
+    grads_.clear();
+    sums_.clear();
+    bytes_ = 0;
+}
+
+} // namespace rp
