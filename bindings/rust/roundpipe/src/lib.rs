@@ -41,6 +41,7 @@
 
 mod config;
 mod error;
+mod installed;
 mod layer;
 mod log;
 mod loss;

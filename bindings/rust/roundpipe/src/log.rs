@@ -7,6 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use roundpipe_sys as sys;
 
 use crate::error::{check, Result};
+use crate::installed::Installed;
 
 /// Log levels, in increasing severity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -43,8 +44,8 @@ unsafe extern "C" fn log_trampoline(level: i32, message: *const c_char, user_dat
     if user_data.is_null() {
         return;
     }
-    // SAFETY: user_data is a leaked Box<Box<LogFn>> (see set_log_callback); message is
-    // borrowed for the call.
+    // SAFETY: user_data is the Box<Box<LogFn>> installed by set_log_callback, alive while it is
+    // the library's sink (installed.rs); message is borrowed for the call.
     let f = &*(user_data as *const Box<LogFn>);
     let msg = if message.is_null() {
         std::borrow::Cow::Borrowed("")
@@ -55,11 +56,12 @@ unsafe extern "C" fn log_trampoline(level: i32, message: *const c_char, user_dat
     let _ = catch_unwind(AssertUnwindSafe(|| f(LogLevel::from_code(level), &msg)));
 }
 
+// The installed closure (installed.rs): freed when replaced.
+static CURRENT: Installed = Installed::new();
+
 /// Send library log messages at or above `min_level` to `f`, called from any RoundPipe thread,
-/// one call at a time. `f` must not call back into RoundPipe.
-///
-/// The closure is never freed: a library thread may be inside the previous one while it is
-/// replaced, and the C API has no way to say when that call is over. Set it once per process.
+/// one call at a time. `f` must not call back into RoundPipe. Replacing the callback frees the
+/// previous closure (the library returns once no call to it is in flight).
 pub fn set_log_callback<F>(f: F, min_level: LogLevel) -> Result<()>
 where
     F: Fn(LogLevel, &str) + Send + Sync + 'static,
@@ -67,19 +69,28 @@ where
     crate::ensure_abi()?;
     let boxed: Box<Box<LogFn>> = Box::new(Box::new(f));
     let user_data = Box::into_raw(boxed) as *mut c_void;
-    // SAFETY: the trampoline matches rp_log_fn; user_data is leaked, so valid forever.
-    let r = check(unsafe {
-        sys::rp_set_log_callback(Some(log_trampoline), min_level.code(), user_data)
-    });
-    if r.is_err() {
-        // Refused: the library never saw the pointer.
-        drop(unsafe { Box::from_raw(user_data as *mut Box<LogFn>) });
-    }
-    r
+    CURRENT.replace(
+        user_data as usize,
+        // SAFETY: the trampoline matches rp_log_fn; user_data lives until replaced.
+        || {
+            check(unsafe {
+                sys::rp_set_log_callback(Some(log_trampoline), min_level.code(), user_data)
+            })
+        },
+        free_closure,
+    )
 }
 
-/// Restore the default log sink (warnings and errors to stderr).
+/// Restore the default log sink (warnings and errors to stderr), freeing the closure.
 pub fn reset_log_callback() -> Result<()> {
     crate::ensure_abi()?;
-    check(unsafe { sys::rp_set_log_callback(None, sys::RP_LOG_WARN, std::ptr::null_mut()) })
+    CURRENT.replace(
+        0,
+        || check(unsafe { sys::rp_set_log_callback(None, sys::RP_LOG_WARN, std::ptr::null_mut()) }),
+        free_closure,
+    )
+}
+
+unsafe fn free_closure(address: usize) {
+    drop(Box::from_raw(address as *mut Box<LogFn>));
 }

@@ -3,17 +3,15 @@
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Mutex;
 
 use roundpipe_sys as sys;
 
 use crate::error::{check, Result};
+use crate::installed::Installed;
 
 type ProgressFn = dyn Fn(&str, i64, i64) + Send + Sync;
 
-// Address of the installed closure (a leaked Box<Box<ProgressFn>>; 0 for none). It is freed when
-// replaced: rp_set_progress_callback returns only once no call to the previous sink is in flight.
-static CURRENT: Mutex<usize> = Mutex::new(0);
+static CURRENT: Installed = Installed::new();
 
 unsafe extern "C" fn progress_trampoline(
     what: *const c_char,
@@ -25,7 +23,7 @@ unsafe extern "C" fn progress_trampoline(
         return;
     }
     // SAFETY: user_data is the Box<Box<ProgressFn>> installed by `install`, alive while it is
-    // the library's sink; `what` is borrowed for the call.
+    // the library's sink (installed.rs); `what` is borrowed for the call.
     let f = &*(user_data as *const Box<ProgressFn>);
     let what = if what.is_null() {
         std::borrow::Cow::Borrowed("")
@@ -38,24 +36,21 @@ unsafe extern "C" fn progress_trampoline(
 
 fn install(user_data: *mut c_void) -> Result<()> {
     crate::ensure_abi()?;
-    let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
     let fn_: sys::rp_progress_fn = if user_data.is_null() {
         None
     } else {
         Some(progress_trampoline)
     };
-    // SAFETY: the trampoline matches rp_progress_fn; user_data lives until replaced below.
-    let r = check(unsafe { sys::rp_set_progress_callback(fn_, user_data) });
-    let unused = if r.is_ok() {
-        std::mem::replace(&mut *current, user_data as usize)
-    } else {
-        user_data as usize // refused: the library never saw it
-    };
-    if unused != 0 {
-        // SAFETY: no longer the sink, and no call to it is in flight.
-        drop(unsafe { Box::from_raw(unused as *mut Box<ProgressFn>) });
-    }
-    r
+    CURRENT.replace(
+        user_data as usize,
+        // SAFETY: the trampoline matches rp_progress_fn; user_data lives until replaced.
+        || check(unsafe { sys::rp_set_progress_callback(fn_, user_data) }),
+        free_closure,
+    )
+}
+
+unsafe fn free_closure(address: usize) {
+    drop(Box::from_raw(address as *mut Box<ProgressFn>));
 }
 
 /// Report the progress of long operations to `f(what, done, total)`: creating a model from a

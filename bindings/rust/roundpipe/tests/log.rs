@@ -4,8 +4,12 @@ use std::sync::{Arc, Mutex};
 
 use roundpipe::{DeviceKind, LogLevel, Model, ModelOptions};
 
+// The sink is process-wide and the tests of this binary run on parallel threads: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
 #[test]
 fn log_messages_reach_a_rust_closure_and_panics_stay_in_rust() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let seen: Arc<Mutex<Vec<(LogLevel, String)>>> = Arc::default();
     let sink = Arc::clone(&seen);
     roundpipe::set_log_callback(
@@ -44,4 +48,40 @@ fn log_messages_reach_a_rust_closure_and_panics_stay_in_rust() {
     drop(model);
 
     roundpipe::reset_log_callback().unwrap();
+}
+
+/// Replacing or resetting the callback frees the previous closure: what it captured is dropped
+/// (the library returns from rp_set_log_callback once no call to the old sink is in flight).
+#[test]
+fn replaced_log_closures_are_freed() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let probe = Arc::new(());
+    let held = Arc::clone(&probe);
+    roundpipe::set_log_callback(
+        move |_, _| {
+            let _ = &held;
+        },
+        LogLevel::Debug,
+    )
+    .unwrap();
+    assert_eq!(Arc::strong_count(&probe), 2);
+    let held = Arc::clone(&probe);
+    roundpipe::set_log_callback(
+        move |_, _| {
+            let _ = &held;
+        },
+        LogLevel::Warn,
+    )
+    .unwrap();
+    assert_eq!(
+        Arc::strong_count(&probe),
+        2,
+        "the first closure was not freed"
+    );
+    roundpipe::reset_log_callback().unwrap();
+    assert_eq!(
+        Arc::strong_count(&probe),
+        1,
+        "the second closure was not freed"
+    );
 }
