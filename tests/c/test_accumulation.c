@@ -9,10 +9,14 @@
  * Tolerances: API vs API 1e-5 relative (identical per-microbatch arithmetic; only the order
  * in which microbatch gradients are added may differ, fp32 roundoff 6e-8 per addition);
  * against the reference 1e-4 as in test_equivalence.c.
+ *
+ * Also: a parameter that the last microbatch of a call gives no gradient still gets the earlier
+ * microbatches' gradients (hand-computed).
  */
 #include "test_support.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const char *SPEC = "{\"layers\": ["
@@ -193,12 +197,142 @@ static void zero_grad_drops_what_was_accumulated(void **state) {
     rp_model_destroy(b);
 }
 
+/* ---- a parameter the last microbatch gives no gradient ----------------------------------- */
+
+/* A caller-defined layer y = x * w (elementwise over D columns) whose backward gives no gradient
+ * for w in the call's last microbatch. The engine sends each gradient to the host as it becomes
+ * final in the last microbatch's backward; w gets nothing in that backward and must still arrive
+ * with the earlier microbatches' sum. The model is the layer then tanh, one stage each on two CPU devices
+ * (the layer's stage is a backward job, tanh the tail), MSE against t: for microbatch m of R
+ * rows, dL/dz = 2 (z - t) / (R D) with z = tanh(y), dL/dy = dL/dz (1 - z^2), dL/dw = sum over
+ * its rows of dL/dy x. Worked out here in double; fp32 engine: 1e-5 relative. */
+enum { LR_ROWS = 6, LR_D = 3, LR_MB = 3 };
+
+typedef struct scale_context {
+    int64_t rows;
+    float x[LR_ROWS * LR_D];
+    float w[LR_D];
+} scale_context;
+
+static int32_t last_less_forward(rp_tensor_list *out, void **ctx, const rp_layer_call *call,
+                                 const DLManagedTensor *const *inputs, size_t n, void *ud) {
+    (void)ud;
+    (void)n;
+    const DLTensor *x = &inputs[0]->dl_tensor;
+    const DLManagedTensor *const *params = NULL;
+    size_t n_params = 0;
+    if (rp_layer_call_tensors(&params, &n_params, NULL, NULL, call) != RP_OK || n_params != 1)
+        return 1;
+    scale_context c;
+    c.rows = x->shape[0];
+    ts_read_f32(x, c.x);
+    ts_read_f32(&params[0]->dl_tensor, c.w);
+    float y[LR_ROWS * LR_D];
+    for (int64_t i = 0; i < c.rows * LR_D; ++i)
+        y[i] = c.x[i] * c.w[i % LR_D];
+    int64_t shape[2] = {c.rows, LR_D};
+    rp_tensor_list_push(out, ts_f32(2, shape, y));
+    int32_t phase = RP_PHASE_FORWARD;
+    rp_layer_call_info(&phase, NULL, NULL, NULL, NULL, NULL, NULL, call);
+    if (phase != RP_PHASE_FORWARD) { /* a recompute or the tail: backward follows */
+        scale_context *keep = malloc(sizeof *keep);
+        *keep = c;
+        *ctx = keep;
+    }
+    return 0;
+}
+
+static int32_t last_less_backward(rp_tensor_list *in_grads, rp_tensor_list *param_grads,
+                                  void *vctx, const rp_layer_call *call,
+                                  const DLManagedTensor *const *out_grads, size_t n, void *ud) {
+    (void)ud;
+    (void)n;
+    const scale_context *c = vctx;
+    int32_t microbatch = -1;
+    rp_layer_call_info(NULL, NULL, NULL, NULL, NULL, &microbatch, NULL, call);
+    float g[LR_ROWS * LR_D], dx[LR_ROWS * LR_D], dw[LR_D] = {0};
+    ts_read_f32(&out_grads[0]->dl_tensor, g);
+    for (int64_t i = 0; i < c->rows * LR_D; ++i) {
+        dx[i] = g[i] * c->w[i % LR_D];
+        dw[i % LR_D] += g[i] * c->x[i];
+    }
+    int64_t shape[2] = {c->rows, LR_D}, wshape[1] = {LR_D};
+    rp_tensor_list_push(in_grads, ts_f32(2, shape, dx));
+    rp_tensor_list_push(param_grads, microbatch == LR_MB - 1 ? NULL : ts_f32(1, wshape, dw));
+    return 0;
+}
+
+static void last_less_release(void *ctx, void *ud) {
+    (void)ud;
+    free(ctx);
+}
+
+static void a_parameter_the_last_microbatch_skips_keeps_the_earlier_gradients(void **state) {
+    (void)state;
+    const float w0[LR_D] = {0.5f, -1.25f, 2.0f};
+    rp_layer_def *def = NULL;
+    TS_OK(rp_layer_def_create(&def, "c:last_less", last_less_forward, last_less_backward,
+                              last_less_release, NULL));
+    int64_t wshape[1] = {LR_D};
+    DLManagedTensor *initial = ts_f32(1, wshape, w0);
+    TS_OK(rp_layer_def_add_param(def, "w", initial, 1));
+    ts_free(initial);
+    const int32_t plan[2] = {1, 1};
+    rp_model_options *opt = NULL;
+    TS_OK(rp_model_options_create(&opt));
+    TS_OK(rp_model_options_set_devices(opt, RP_DEVICE_CPU, 2));
+    TS_OK(rp_model_options_set_stage_plan(opt, plan, 2));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create_with_layers(
+        &m, "{\"layers\": [{\"type\": \"caller\", \"def\": 0}, {\"type\": \"tanh\"}]}",
+        (const rp_layer_def *const *)&def, 1, opt));
+    rp_model_options_destroy(opt);
+    rp_layer_def_destroy(def);
+
+    float x[LR_ROWS * LR_D], t[LR_ROWS * LR_D];
+    ts_fill_uniform(x, LR_ROWS * LR_D, 31, -1.0f, 1.0f);
+    ts_fill_uniform(t, LR_ROWS * LR_D, 32, -0.5f, 0.5f);
+    int64_t shape[2] = {LR_ROWS, LR_D};
+    DLManagedTensor *in = ts_f32(2, shape, x), *labels = ts_f32(2, shape, t);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(LR_MB, 0);
+    double value = 0;
+    TS_OK(rp_forward_backward(&value, NULL, m, (const DLManagedTensor *const *)&in, 1, labels,
+                              loss, cfg));
+
+    const int rows_per_mb = LR_ROWS / LR_MB;
+    double want[LR_D] = {0};
+    for (int r = 0; r < LR_ROWS; ++r) {
+        if (r / rows_per_mb == LR_MB - 1)
+            continue; /* the last microbatch gives w no gradient */
+        for (int j = 0; j < LR_D; ++j) {
+            const double xi = x[r * LR_D + j], y = xi * (double)w0[j], z = tanh(y);
+            const double dz = 2.0 * (z - t[r * LR_D + j]) / (rows_per_mb * LR_D);
+            want[j] += dz * (1.0 - z * z) * xi;
+        }
+    }
+    TS_OK(rp_synchronize(m));
+    ts_params *g = ts_grads(m);
+    assert_int_equal(g->count, 1);
+    for (int j = 0; j < LR_D; ++j)
+        if (fabs(g->data[0][j] - want[j]) > 1e-5 * fmax(1e-3, fabs(want[j])))
+            fail_msg("w grad[%d] = %.8g, expected %.8g", j, g->data[0][j], want[j]);
+    ts_params_free(g);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    ts_free(in);
+    ts_free(labels);
+    rp_model_destroy(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(two_calls_before_a_step_equal_one_call_on_the_concatenated_batch),
         cmocka_unit_test(accumulation_feeds_an_async_step),
         cmocka_unit_test(accumulated_calls_with_dropout_use_successive_call_indices),
         cmocka_unit_test(zero_grad_drops_what_was_accumulated),
+        cmocka_unit_test(a_parameter_the_last_microbatch_skips_keeps_the_earlier_gradients),
     };
     return cmocka_run_group_tests_name("accumulation", tests, setup, NULL);
 }
