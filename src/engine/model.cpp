@@ -210,15 +210,21 @@ std::vector<at::Tensor> Model::finish_outputs(std::vector<std::vector<at::Tensor
     return outputs;
 }
 
-std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
-                                       const RunConfig &call) {
+Microbatches Model::begin_forward_call(const std::vector<at::Tensor> &inputs,
+                                       const ResolvedRunConfig &cfg) {
     // The trace of this call must not pair its device spans with an earlier call's host spans.
     timeline_.begin_call();
     check_index_ranges(inputs, at::Tensor());
-    ResolvedRunConfig cfg = resolve_run_config(call);
     Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
     for (const auto &mb_inputs : mb.inputs)
         check_shapes_once(mb_inputs, at::Tensor(), nullptr);
+    return mb;
+}
+
+std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
+                                       const RunConfig &call) {
+    const ResolvedRunConfig cfg = resolve_run_config(call);
+    Microbatches mb = begin_forward_call(inputs, cfg);
     plan_call(tokens_per_microbatch(mb), cfg.grain, StageUse::Inference);
     CallContext ctx{layers_, stages_, stages_, store_, mb}; // nothing kept for a backward
     ctx.seed = seed_;
@@ -286,11 +292,9 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     // autotuning, allocator growth) and fall on whichever stages ran first on each device: on
     // H200s they made Qwen3-1.7B's tail look 14x slower than it is (bench/RESULTS.md, round 6).
     // The second call's are the steady state.
-    if (!replanned_ && has_cuda_devices() && explicit_plan_.empty() &&
-        ++calls_since_plan_ == kReplanAfterCalls) {
-        replanned_ = true;
+    if (calls_since_plan_ < kReplanAfterCalls && has_cuda_devices() && explicit_plan_.empty() &&
+        ++calls_since_plan_ == kReplanAfterCalls)
         replan_from_trace();
-    }
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)
         total += l.item<double>() / scale;

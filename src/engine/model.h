@@ -172,6 +172,10 @@ class Model {
                                              const std::vector<at::Tensor> &grads) const;
 
     void check_output_device(const at::Device &d) const;
+    // The start every forward-only call (rp_forward, rp_forward_train) shares: the timing record
+    // restarted, the inputs checked and split into microbatches by `cfg`.
+    Microbatches begin_forward_call(const std::vector<at::Tensor> &inputs,
+                                    const ResolvedRunConfig &cfg);
     void check_index_ranges(const std::vector<at::Tensor> &inputs, const at::Tensor &labels) const;
     std::vector<at::Tensor> finish_outputs(std::vector<std::vector<at::Tensor>> per_mb,
                                            bool merge,
@@ -209,8 +213,7 @@ class Model {
     PlanKey last_plan_key_{0, 0, static_cast<int>(StageUse::Fused)};
     // GPU training calls re-plan once, from the times the kReplanAfterCalls-th call measured.
     static constexpr int kReplanAfterCalls = 2;
-    bool replanned_ = false;
-    int calls_since_plan_ = 0;
+    int calls_since_plan_ = 0; // GPU training calls since the automatic plan was (re)set
     std::unordered_set<std::string> checked_shapes_; // input signatures that passed check_shapes
     RunConfig run_config_;
     Pipeline pipeline_;

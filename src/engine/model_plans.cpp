@@ -208,11 +208,8 @@ void Model::set_stage_plan(const std::vector<int> &layers_per_stage) {
     stages_ = std::move(stages);
     explicit_backward_plan_.clear(); // a backward plan is made for the forward plan it follows
     plans_.clear();                  // plans made per call shape under the old setting
-    if (layers_per_stage.empty()) {
-        // On GPUs the second training call from now measures and re-plans again.
-        replanned_ = false;
-        calls_since_plan_ = 0;
-    }
+    if (layers_per_stage.empty())
+        calls_since_plan_ = 0; // on GPUs the second training call from now re-plans again
 }
 
 } // namespace rp

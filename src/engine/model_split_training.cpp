@@ -29,12 +29,8 @@ Microbatches owned_copy(const Microbatches &mb) {
 
 std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inputs,
                                              const RunConfig &call) {
-    timeline_.begin_call();
-    check_index_ranges(inputs, at::Tensor());
-    ResolvedRunConfig cfg = resolve_run_config(call);
-    Microbatches mb = split_microbatches(inputs, at::Tensor(), cfg);
-    for (const auto &mb_inputs : mb.inputs)
-        check_shapes_once(mb_inputs, at::Tensor(), nullptr);
+    const ResolvedRunConfig cfg = resolve_run_config(call);
+    Microbatches mb = begin_forward_call(inputs, cfg);
     pending_.reset(); // a new forward replaces one whose backward never came
     auto pending = std::make_unique<PendingBackward>();
     pending->microbatches = owned_copy(mb);

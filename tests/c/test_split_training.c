@@ -330,12 +330,19 @@ static void input_grads_after_a_split_callback_are_refused_and_the_forward_kept(
     rp_model_destroy(m);
 }
 
-static void assert_plan(rp_model *m, const int32_t *want, int32_t n) {
+typedef rp_status (*plan_query)(int32_t *, int32_t *, int32_t, const rp_model *);
+
+/* rp_model_stage_plan or rp_model_backward_stage_plan reports `want`. */
+static void assert_counts(plan_query query, rp_model *m, const int32_t *want, int32_t n) {
     int32_t got[8] = {0}, count = 0;
-    TS_OK(rp_model_stage_plan(got, &count, 8, m));
+    TS_OK(query(got, &count, 8, m));
     assert_int_equal(count, n);
     for (int32_t s = 0; s < n; ++s)
         assert_int_equal(got[s], want[s]);
+}
+
+static void assert_plan(rp_model *m, const int32_t *want, int32_t n) {
+    assert_counts(rp_model_stage_plan, m, want, n);
 }
 
 /* rp_model_set_stage_plan: the plan of a live model changes (one stage, then back to two) and
@@ -389,11 +396,7 @@ static void stage_plan_switches_at_runtime_and_gradients_stay_exact(void **state
 }
 
 static void assert_backward_plan(rp_model *m, const int32_t *want, int32_t n) {
-    int32_t got[8] = {0}, count = 0;
-    TS_OK(rp_model_backward_stage_plan(got, &count, 8, m));
-    assert_int_equal(count, n);
-    for (int32_t s = 0; s < n; ++s)
-        assert_int_equal(got[s], want[s]);
+    assert_counts(rp_model_backward_stage_plan, m, want, n);
 }
 
 /* rp_model_set_backward_stage_plan: one forward stage of both layers, two backward stages (the

@@ -34,6 +34,17 @@ def split(x, n=N_MB):
     return torch.tensor_split(x, n)
 
 
+def mean_square_loss_backward(ref, x):
+    """The plain PyTorch reference of a forward_backward with the mean-square loss: each
+    microbatch's loss back-propagated into `ref`'s .grad, their sum returned."""
+    total = 0.0
+    for xm in split(x):
+        mb = ref(xm).square().mean()
+        mb.backward()
+        total += float(mb)
+    return total
+
+
 def sgd_step(model, lr=0.05, momentum=0.9):
     """A synchronous torch.optim SGD step over the model's optimizer parameters (frozen ones
     have no .grad and are skipped, as torch.optim does)."""
@@ -396,12 +407,7 @@ def test_save_for_recompute_replays_forward_data():
     assert not roundpipe.doing_recompute()
     with pytest.raises(AssertionError):
         roundpipe.get_recompute_data()
-    want = 0.0
-    for xm in split(x):
-        mb = ref(xm).square().mean()
-        mb.backward()
-        want += float(mb)
-    assert float(loss) == pytest.approx(want, rel=RTOL)
+    assert float(loss) == pytest.approx(mean_square_loss_backward(ref, x), rel=RTOL)
     model.synchronize()
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         if q.grad is None:
@@ -436,12 +442,7 @@ def test_gradient_from_earlier_microbatches_only():
     x = torch.randn(6, 8)
     x[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0, -1.0])  # only microbatch 0 scales
     loss = model.forward_backward((x,), loss_fn=lambda o, lab: o.square().mean())
-    want = 0.0
-    for xm in split(x):
-        mb = ref(xm).square().mean()
-        mb.backward()
-        want += float(mb)
-    assert float(loss) == pytest.approx(want, rel=RTOL)
+    assert float(loss) == pytest.approx(mean_square_loss_backward(ref, x), rel=RTOL)
     assert ref[0].scale.grad is not None and ref[0].scale.grad.abs().sum() > 0
     model.synchronize()
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):

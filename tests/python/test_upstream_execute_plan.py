@@ -231,6 +231,13 @@ def test_backward_stage_plan_methods():
         assert model.backward_stage_plan() == [1, 1, 1, 1]
         model.set_backward_stage_plan(None)
         assert model.backward_stage_plan() == [3, 1]
+        # after a call on a per-call plan, a backward plan goes with the model's own forward plan
+        model.forward_backward(input_args=(torch.randn(6, 8),), label=torch.randn(6, 4),
+                               loss_fn=loss_fn, run_config=RoundPipeRunConfig(
+                                   execute_plan=ModelExecutePlan.from_stage_plan([2, 2])))
+        assert model.stage_plan() == [2, 2]
+        model.set_backward_stage_plan([1, 1, 1, 1])
+        assert model.stage_plan() == [3, 1] and model.backward_stage_plan() == [1, 1, 1, 1]
 
 
 def _plan(fwd, bwd):

@@ -343,29 +343,30 @@ class RoundPipe(WeightsMixin):
         explicit stage plan (:meth:`set_stage_plan`); ``forward_backward()`` needs both plans
         to end with the same stage (the tail). It becomes part of the model's own plan."""
         counts = [] if layers_per_stage is None else [int(c) for c in layers_per_stage]
+        self._use_call_plan(None)  # the backward plan follows the model's own forward plan
         self._model.set_backward_stage_plan(counts)
         if self._model_plan is not None:
             self._model_plan = EnginePlan(self._model_plan.forward, counts or None)
-        self._plan_overridden = False
 
     def _use_call_plan(self, plans: Optional[EnginePlan]) -> None:
         """Run the next call on `plans` (a per-call execute_plan), or on the model's own plans
         again (None) after a call that had one."""
         if plans is None:
             if self._plan_overridden:
-                own = self._model_plan
-                self._model.set_stage_plan(own.forward if own else [])
-                if own and own.backward:
-                    self._model.set_backward_stage_plan(own.backward)
+                self._install_plans(self._model_plan)
                 self._plan_overridden = False
             return
-        backward = plans.backward or plans.forward
         if plans.forward != self._model.stage_plan() or \
-                backward != self._model.backward_stage_plan():
-            self._model.set_stage_plan(plans.forward)
-            if plans.backward:
-                self._model.set_backward_stage_plan(plans.backward)
+                (plans.backward or plans.forward) != self._model.backward_stage_plan():
+            self._install_plans(plans)
             self._plan_overridden = True
+
+    def _install_plans(self, plans: Optional[EnginePlan]) -> None:
+        """Hand the engine both plans (None: its automatic planner). A new forward plan drops
+        the engine's backward plan, so the backward one goes second."""
+        self._model.set_stage_plan(plans.forward if plans else [])
+        if plans and plans.backward:
+            self._model.set_backward_stage_plan(plans.backward)
 
     @property
     def model_run_config(self):

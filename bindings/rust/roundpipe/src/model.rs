@@ -17,9 +17,11 @@ use crate::optim::Optimizer;
 use crate::tensor::{borrowed_managed, optional_managed, AsDlpack, DlTensor};
 use crate::tensor_list::{take_list, take_list_optional};
 
-// rp_model_stage_plan and rp_model_backward_stage_plan share this signature.
+// rp_model_stage_plan and rp_model_backward_stage_plan share this signature, and so do their
+// setters.
 type PlanQuery =
     unsafe extern "C" fn(*mut i32, *mut i32, i32, *const sys::rp_model) -> sys::rp_status;
+type PlanSetter = unsafe extern "C" fn(*mut sys::rp_model, *const i32, usize) -> sys::rp_status;
 
 /// A model: layers, host parameter store, optimizer state, device workers and threads.
 ///
@@ -344,13 +346,7 @@ impl Model {
     /// (plan unchanged) for bad counts, or while a `forward_train` awaits its `backward`. A
     /// backward stage plan set before is dropped.
     pub fn set_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<()> {
-        check(unsafe {
-            sys::rp_model_set_stage_plan(
-                self.ptr.as_ptr(),
-                layers_per_stage.as_ptr(),
-                layers_per_stage.len(),
-            )
-        })
+        self.write_plan(sys::rp_model_set_stage_plan, layers_per_stage)
     }
 
     /// The backward stage plan in force (`rp_model_backward_stage_plan`): the one
@@ -368,8 +364,14 @@ impl Model {
     /// stage (the tail). Refused (plan unchanged) for bad counts, without an explicit forward
     /// plan, or while a `forward_train` awaits its `backward`.
     pub fn set_backward_stage_plan(&mut self, layers_per_stage: &[i32]) -> Result<()> {
+        self.write_plan(sys::rp_model_set_backward_stage_plan, layers_per_stage)
+    }
+
+    // rp_model_set_stage_plan / rp_model_set_backward_stage_plan.
+    fn write_plan(&mut self, set: PlanSetter, layers_per_stage: &[i32]) -> Result<()> {
+        // SAFETY: the counts are borrowed for the call; the library copies them.
         check(unsafe {
-            sys::rp_model_set_backward_stage_plan(
+            set(
                 self.ptr.as_ptr(),
                 layers_per_stage.as_ptr(),
                 layers_per_stage.len(),

@@ -55,24 +55,21 @@ fn log_messages_reach_a_rust_closure_and_panics_stay_in_rust() {
 #[test]
 fn replaced_log_closures_are_freed() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // A sink that holds a reference to `probe` for as long as the library keeps it.
+    let install = |probe: &Arc<()>, level| {
+        let held = Arc::clone(probe);
+        roundpipe::set_log_callback(
+            move |_, _| {
+                let _ = &held;
+            },
+            level,
+        )
+        .unwrap();
+    };
     let probe = Arc::new(());
-    let held = Arc::clone(&probe);
-    roundpipe::set_log_callback(
-        move |_, _| {
-            let _ = &held;
-        },
-        LogLevel::Debug,
-    )
-    .unwrap();
+    install(&probe, LogLevel::Debug);
     assert_eq!(Arc::strong_count(&probe), 2);
-    let held = Arc::clone(&probe);
-    roundpipe::set_log_callback(
-        move |_, _| {
-            let _ = &held;
-        },
-        LogLevel::Warn,
-    )
-    .unwrap();
+    install(&probe, LogLevel::Warn);
     assert_eq!(
         Arc::strong_count(&probe),
         2,
