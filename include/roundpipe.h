@@ -434,6 +434,40 @@ RP_API rp_status rp_model_options_set_devices(rp_model_options *options, int32_t
                                               int32_t num_devices);
 
 /**
+ * Data parallelism across processes (docs/several-machines.md): this process is rank `rank` of
+ * `world_size`, each running its own model on its share of every batch; before every optimizer
+ * step the ranks' gradients are averaged (over libtorch's c10d with Gloo, on the host form of the
+ * gradients, bucket by bucket while the pipeline still runs). rp_model_create joins the group
+ * (it blocks until every rank has joined, at most `timeout_ms`) and gives every rank rank 0's
+ * initial weights. Checkpoint saves write on rank 0 only; loads read on every rank. A rank whose
+ * collective does not complete within `timeout_ms` (another rank died, hung or failed its call)
+ * fails its call with RP_ERR_IO; the group is then unusable (RP_ERR_STATE) and the model must be
+ * created again on every rank.
+ * @param rank 0 .. world_size - 1, or -1: $RANK.
+ * @param world_size >= 1, or -1: $WORLD_SIZE; 0 turns data parallelism off (the default).
+ * @param rendezvous "env://" ($MASTER_ADDR and $MASTER_PORT, as torchrun sets them; NULL means
+ *        this) or "tcp://host:port" (rank 0 hosts the store there unless torchrun's agent does).
+ *        Borrowed; copied.
+ * @param timeout_ms > 0: how long a rank waits for the others, at the rendezvous and in each
+ *        collective; 0 means 600000 (10 minutes).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (checked here: the ranges; checked by
+ *         rp_model_create: the environment, the address, and that this library was built with
+ *         c10d's Gloo support, see rp_data_parallel_available).
+ */
+RP_API rp_status rp_model_options_set_data_parallel(rp_model_options *options, int32_t rank,
+                                                    int32_t world_size, const char *rendezvous,
+                                                    int64_t timeout_ms);
+
+/** Data parallel only: 1 reports each training call's loss as the mean over the ranks (one more
+ * small collective per call); 0 (default): this rank's own loss.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (not 0 or 1). */
+RP_API rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t global);
+
+/** 1 when this library can do data parallelism (it was built with c10d's Gloo headers), else 0.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). */
+RP_API rp_status rp_data_parallel_available(int32_t *out_available);
+
+/**
  * Explicit stage plan: stage s holds the next `layers_per_stage[s]` layers. The counts must be
  * positive and add up to the number of layers (checked by rp_model_create). NULL or n == 0
  * returns to the automatic planner, which balances estimated layer cost.
@@ -598,6 +632,11 @@ RP_API rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip
 
 /** The GPU memory cap in force (0 on CPU devices). */
 RP_API rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
+
+/** This process's data-parallel rank and the number of ranks (0 and 1 without data parallelism).
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). */
+RP_API rp_status rp_model_data_parallel(int32_t *out_rank, int32_t *out_world_size,
+                                        const rp_model *model);
 
 /** Host memory held by the model's parameter state: master weights, weight copies the devices
  * read, gradient buffers and built-in optimizer state (allocated at the first built-in step),
@@ -1221,7 +1260,8 @@ RP_API rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, si
  * with the parameter names. Crash-safe: the file is written and synced as "<path>.tmp.<pid>" in
  * the same folder, renamed over `path`, and the folder synced, so `path` holds the old weights
  * or the new ones, whole, after a failure, a kill or a power cut. A temporary that a killed save
- * left is removed by the next save to `path` (docs/semantics.md, "Crash safety").
+ * left is removed by the next save to `path` (docs/semantics.md, "Crash safety"). Data parallel:
+ * only rank 0 writes; the other ranks synchronize and return RP_OK.
  * @return RP_OK, RP_ERR_INVALID_ARGUMENT, RP_ERR_IO (message names the path). */
 RP_API rp_status rp_model_save(rp_model *model, const char *path);
 
@@ -1309,7 +1349,7 @@ RP_API rp_status rp_model_load_hf(rp_model *model, const char *dir);
  * to them in one rename, and the old shards are removed. config.json is replaced, by its own
  * rename right after the weights, only when it changes. What a killed save left (temporaries,
  * shards no index names) is removed by the next save to `dir` (docs/semantics.md, "Crash
- * safety").
+ * safety"). Data parallel: only rank 0 writes; the other ranks synchronize and return RP_OK.
  * @param model the model.
  * @param dir the directory, borrowed.
  * @return RP_OK; RP_ERR_IO (the message names the path); RP_ERR_STATE for a model not built from

@@ -33,7 +33,7 @@ install_system_packages() {
     # clang, its sanitizer and libFuzzer runtimes, LLVM's OpenMP and llvm-symbolizer: the
     # sanitizer build of scripts/sanitize.sh (which scripts/test.sh runs).
     local packages=(build-essential cmake ninja-build pkg-config libcmocka-dev nlohmann-json3-dev
-        swig python3 python3-pip python3-venv ca-certificates
+        libgloo-dev swig python3 python3-pip python3-venv ca-certificates
         clang libclang-rt-14-dev libomp-dev llvm)
     rp_cargo_path
     if ! command -v cargo >/dev/null 2>&1; then

@@ -316,6 +316,39 @@ rp_status rp_model_options_set_name(rp_model_options *options, const char *name)
     });
 }
 
+rp_status rp_model_options_set_data_parallel(rp_model_options *options, int32_t rank,
+                                             int32_t world_size, const char *rendezvous,
+                                             int64_t timeout_ms) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(world_size >= -1, "world_size must be >= 1, -1 ($WORLD_SIZE) or 0 (off), not " +
+                                      std::to_string(world_size));
+        require(rank >= -1 && (world_size <= 0 || rank < world_size),
+                "rank " + std::to_string(rank) + " is not -1 ($RANK) or in 0 .. world_size - 1");
+        require(timeout_ms >= 0, "timeout_ms must be >= 0 (0: the default)");
+        rp::DataParallelOptions &dp = options->options.data_parallel;
+        dp.world_size = world_size;
+        dp.rank = rank;
+        dp.rendezvous = rendezvous ? rendezvous : "env://";
+        dp.timeout_ms = timeout_ms > 0 ? timeout_ms : rp::DataParallelOptions{}.timeout_ms;
+    });
+}
+
+rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t global) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(global == 0 || global == 1, "global must be 0 or 1");
+        options->options.data_parallel.global_loss = global == 1;
+    });
+}
+
+rp_status rp_data_parallel_available(int32_t *out_available) {
+    return guard([&] {
+        require_arg(out_available, "out_available is NULL");
+        *out_available = rp::data_parallel_available() ? 1 : 0;
+    });
+}
+
 rp_status rp_model_options_set_devices(rp_model_options *options, int32_t kind,
                                        int32_t num_devices) {
     return guard([&] {

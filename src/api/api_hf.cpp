@@ -71,6 +71,10 @@ rp_status rp_model_save_hf(rp_model *model, const char *dir) {
         require_arg(dir, "dir is NULL");
         require(!model->model->on_optimizer_thread(),
                 "rp_model_save_hf may not be called from a step callback");
+        if (!model->model->writes_checkpoints()) { // data parallel: rank 0 writes
+            model->model->synchronize();
+            return;
+        }
         save_hf_model(*model->model, hf, dir);
     });
 }

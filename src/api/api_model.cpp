@@ -269,6 +269,16 @@ rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model) {
     });
 }
 
+rp_status rp_model_data_parallel(int32_t *out_rank, int32_t *out_world_size,
+                                 const rp_model *model) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_rank && out_world_size, "out_rank or out_world_size is NULL");
+        *out_rank = hold.model().rank();
+        *out_world_size = hold.model().world_size();
+    });
+}
+
 rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements,
                                     const rp_model *model) {
     return guard([&] {

@@ -116,6 +116,8 @@ rp_status rp_model_save(rp_model *model, const char *path) {
         Model &m = *model->model;
         require(!m.on_optimizer_thread(), "rp_model_save may not be called from a step callback");
         m.synchronize();
+        if (!m.writes_checkpoints())
+            return; // data parallel: every rank holds the same weights; rank 0 writes them
         std::vector<NamedTensor> tensors;
         for (size_t i = 0; i < m.params().size(); ++i)
             tensors.push_back({m.params().at(i).name, m.params().at(i).live});

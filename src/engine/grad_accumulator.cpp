@@ -5,6 +5,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "base/error.h"
+#include "engine/data_parallel.h"
 #include "optim/bf16_convert.h"
 
 namespace rp {
@@ -21,29 +23,76 @@ GradAccumulator::~GradAccumulator() {
     thread_.join();
 }
 
-void GradAccumulator::begin_call(bool buffers_zero, double factor) {
+void GradAccumulator::begin_call(bool buffers_zero, double factor,
+                                 const std::vector<int> &jobs_per_param) {
     std::lock_guard<std::mutex> lock(mutex_);
     buffers_zero_ = buffers_zero;
     factor_ = factor;
     touched_.clear();
     held_.clear();
     error_ = nullptr;
+    if (dp_) {
+        dp_->check_usable();
+        std::vector<std::vector<int64_t>> shapes;
+        for (size_t p = 0; p < store_.size(); ++p)
+            shapes.push_back(store_.at(p).master.sizes().vec());
+        reducer_.begin_call(jobs_per_param, shapes);
+    }
+}
+
+void GradAccumulator::enqueue(Item item) {
+    if (!buffers_zero_) {
+        held_.push_back(std::move(item));
+        return;
+    }
+    queue_.push_back(std::move(item));
+    ++in_flight_;
+    changed_.notify_all();
 }
 
 void GradAccumulator::add(std::vector<std::pair<size_t, at::Tensor>> grads,
                           std::vector<at::Tensor> checks, Transfer ready, DeviceLane &lane) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!buffers_zero_) {
-        held_.push_back({std::move(grads), std::move(checks), std::move(ready), &lane});
+    if (dp_) {
+        auto d = std::make_shared<GradientDownload>();
+        *d = GradientDownload{std::move(grads), std::move(checks), std::move(ready), &lane};
+        reducer_.receive(std::move(d));
         return;
     }
-    queue_.push_back({std::move(grads), std::move(checks), std::move(ready), &lane});
-    ++in_flight_;
+    Item item;
+    item.grads = std::move(grads);
+    item.checks = std::move(checks);
+    item.ready = std::move(ready);
+    item.lane = &lane;
+    enqueue(std::move(item));
+}
+
+void GradAccumulator::job_done(const std::vector<size_t> &params) {
+    if (!dp_)
+        return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    reducer_.job_done(params);
     changed_.notify_all();
 }
 
 void GradAccumulator::end_call(bool succeeded) {
     std::unique_lock<std::mutex> lock(mutex_);
+    if (dp_) {
+        // A failed call stops reducing (the other ranks' collectives then time out); a
+        // successful one has finished every job, so every bucket becomes ready.
+        if (!succeeded || error_)
+            reducer_.abort();
+        changed_.notify_all();
+        // Every job has finished: a bucket that is not ready now never will be.
+        changed_.wait(lock, [&] {
+            return !reducing_ && (reducer_.finished() || error_ || !reducer_.next_ready());
+        });
+        if (succeeded && !error_ && !reducer_.finished())
+            error_ = std::make_exception_ptr(
+                Error(ErrorKind::Internal, "data parallelism: a gradient bucket was never "
+                                           "complete (jobs and parameters out of step)"));
+        reducer_.abort();
+    }
     if (succeeded)
         for (Item &item : held_) {
             queue_.push_back(std::move(item));
@@ -90,12 +139,13 @@ void add_widened(at::Tensor &dst, const at::Tensor &src, double factor) {
 } // namespace
 
 void GradAccumulator::apply(const Item &item) {
-    item.lane->wait(item.ready); // the download of these tensors has landed
+    if (item.lane)
+        item.lane->wait(item.ready); // the download of these tensors has landed
     HostSpan span(timeline_, "gradients", "accumulate");
     double sum = 0.0;
     for (const at::Tensor &c : item.checks)
         sum += c.item<double>();
-    if (!std::isfinite(sum))
+    if (!std::isfinite(sum) || item.nonfinite)
         flags_.mark_nonfinite();
     for (const auto &g : item.grads) {
         flags_.mark(g.first);
@@ -117,12 +167,45 @@ void GradAccumulator::apply(const Item &item) {
     }
 }
 
+void GradAccumulator::reduce_one(std::unique_lock<std::mutex> &lock) {
+    GradientReducer::Bucket bucket = reducer_.take_next();
+    reducing_ = true;
+    lock.unlock();
+    std::exception_ptr error;
+    GradientReducer::Reduced reduced;
+    try {
+        HostSpan span(timeline_, "gradients", "all-reduce");
+        reduced = GradientReducer::reduce(bucket, *dp_);
+    } catch (...) {
+        error = std::current_exception();
+    }
+    lock.lock();
+    reducing_ = false;
+    if (error) {
+        if (!error_)
+            error_ = error;
+        reducer_.abort(); // the ranks are out of step: no further bucket
+    } else {
+        Item item;
+        item.grads = std::move(reduced.grads);
+        item.nonfinite = reduced.nonfinite;
+        enqueue(std::move(item));
+    }
+    changed_.notify_all();
+}
+
 void GradAccumulator::loop() {
     for (;;) {
         Item item;
         {
             std::unique_lock<std::mutex> lock(mutex_);
-            changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+            changed_.wait(lock, [&] {
+                return stopping_ || !queue_.empty() || (dp_ && reducer_.next_ready());
+            });
+            if (queue_.empty() && dp_ && reducer_.next_ready() && !stopping_) {
+                reduce_one(lock);
+                continue;
+            }
             if (queue_.empty())
                 return;
             item = std::move(queue_.front());

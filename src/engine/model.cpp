@@ -56,6 +56,16 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
     explicit_plan_ = o.stage_plan;
     for (auto &layer : layers_)
         layer->drop_initial_values();
+    if (o.data_parallel.world_size != 0) {
+        dp_ = DataParallel::join(o.data_parallel, name_);
+        // Every rank starts from rank 0's weights (and buffers), whatever its seed.
+        std::vector<at::Tensor> masters;
+        for (size_t i = 0; i < store_.size(); ++i)
+            masters.push_back(store_.at(i).master);
+        dp_->broadcast(masters);
+        store_.refresh_live_from_master();
+        gradients_.set_data_parallel(dp_.get());
+    }
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;
         if (gpu_memory_cap_ == 0) {
@@ -276,7 +286,8 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.keep_outputs = outputs != nullptr;
     ctx.gradients = &gradients_;
     gate_call(ctx);
-    gradients_.begin_call(grads_zero_, 1.0 / scale);
+    gradients_.begin_call(grads_zero_, 1.0 / scale,
+                          dp_ ? gradient_jobs_per_param(ctx) : std::vector<int>{});
     phase.emplace(timeline_, "caller", "pipeline");
     try {
         pipeline_.run(ctx);
@@ -298,6 +309,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)
         total += l.item<double>() / scale;
+    total = reported_loss(total);
     if (!std::isfinite(total)) {
         ++nonfinite_losses_;
         log(LogLevel::Warn, name_ + ": training call " + std::to_string(ctx.call_index) +
@@ -309,6 +321,10 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     return total;
 }
 
+
+double Model::reported_loss(double local) {
+    return dp_ && dp_->global_loss() ? dp_->mean(local) : local;
+}
 
 void Model::rethrow_step_error() {
     if (std::exception_ptr e = runner_.take_error()) {

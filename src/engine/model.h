@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/data_parallel.h"
 #include "engine/grad_accumulator.h"
 #include "engine/grad_flags.h"
 #include "engine/grad_scaler.h"
@@ -49,6 +50,7 @@ struct ModelOptions {
     HostMemoryMode host_memory_mode = HostMemoryMode::Standard;
     // Skip a step whose gradients hold inf or nan (with loss scaling on, its rule decides).
     bool skip_nonfinite_steps = true;
+    DataParallelOptions data_parallel; // world_size 0: one process
 };
 
 // An optimizer update over master weights from step gradients. It may call `param_done` as
@@ -146,6 +148,11 @@ class Model {
     // The timing record of the last call: device stream spans and host thread spans.
     std::vector<TraceEvent> trace() const;
     const std::string &name() const { return name_; }
+    // Data parallel: this process's rank and the number of ranks (0 and 1 otherwise).
+    int rank() const { return dp_ ? dp_->rank() : 0; }
+    int world_size() const { return dp_ ? dp_->world_size() : 1; }
+    // Checkpoints are written once, by rank 0; the other ranks' saves do nothing.
+    bool writes_checkpoints() const { return rank() == 0; }
 
   private:
     // What a forward_train leaves for its backward.
@@ -196,6 +203,8 @@ class Model {
     std::vector<Stage> backward_plan_for(const std::vector<Stage> &forward) const;
     void replan_from_trace();
     void rethrow_step_error();
+    // The reported loss of a training call: this rank's, or the mean over the ranks if asked.
+    double reported_loss(double local);
 
     std::string name_;
     uint64_t seed_;
@@ -224,6 +233,7 @@ class Model {
     bool skip_nonfinite_steps_;
     std::atomic<int64_t> nonfinite_skips_{0};
     int64_t nonfinite_losses_ = 0;
+    std::unique_ptr<DataParallel> dp_; // before gradients_, whose thread uses it
     HostTimeline timeline_;
     GradFlags flags_{store_.size()};
     GradAccumulator gradients_{store_, flags_, timeline_};

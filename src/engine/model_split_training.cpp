@@ -193,7 +193,8 @@ void Model::backward(const std::vector<at::Tensor> &output_grads,
     if (input_grads)
         ctx.input_grads.assign(p->microbatches.inputs.size(), {});
     gate_call(ctx);
-    gradients_.begin_call(grads_zero_, 1.0 / scale);
+    gradients_.begin_call(grads_zero_, 1.0 / scale,
+                          dp_ ? gradient_jobs_per_param(ctx) : std::vector<int>{});
     std::vector<at::Tensor> merged;
     try {
         pipeline_.run(ctx);

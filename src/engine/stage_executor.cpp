@@ -438,6 +438,32 @@ void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceL
         break;
     }
     final->finish(); // installed before the last microbatch of every tail and backward job
+    std::vector<size_t> trained;
+    for (const auto &leaf : w.leaves)
+        trained.push_back(leaf.first);
+    ctx.gradients->job_done(trained);
+}
+
+std::vector<int> gradient_jobs_per_param(const CallContext &ctx) {
+    std::vector<const Stage *> stages; // of the jobs that deliver gradients (see Pipeline::run)
+    if (ctx.kind == CallKind::Fused) {
+        stages.push_back(&ctx.stages.back());
+        for (size_t b = 0; b + 1 < ctx.backward_stages.size(); ++b)
+            stages.push_back(&ctx.backward_stages[b]);
+    } else if (ctx.kind == CallKind::BackwardOnly) {
+        for (const Stage &b : ctx.backward_stages)
+            stages.push_back(&b);
+    }
+    std::vector<int> jobs(ctx.store.size(), 0);
+    for (const Stage *st : stages) {
+        std::vector<bool> in_job(ctx.store.size(), false); // a shared parameter counts once
+        for (size_t pi : stage_params(ctx, *st))
+            if (ctx.store.at(pi).trainable() && !in_job[pi]) {
+                in_job[pi] = true;
+                ++jobs[pi];
+            }
+    }
+    return jobs;
 }
 
 void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const ParamStore &store,

@@ -93,6 +93,10 @@ bool stage_weights_ready(const CallContext &ctx, const Stage &stage);
 Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, DeviceLane &lane,
                               size_t job);
 
+// Per parameter: how many of the call's jobs deliver a gradient of it (those that make autograd
+// leaves of trainable parameters: the tail and backward jobs), for the gradient reduction.
+std::vector<int> gradient_jobs_per_param(const CallContext &ctx);
+
 // Runs job `job` of `kind` for stage index `stage` (see job_stage) with weights from
 // upload_stage_weights.
 void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t stage, DeviceLane &lane,

@@ -1,0 +1,361 @@
+/*
+ * test_data_parallel.c - data parallelism over c10d Gloo (rp_model_options_set_data_parallel).
+ *
+ * Two ranks, each a separate process (this executable started again in worker mode, so that no
+ * process forks after libtorch has started its threads) with 2 CPU worker devices, each train on
+ * their half of an 8-row batch; one process trains on the whole batch. Every microbatch is the
+ * same 2 rows in both setups and each process's loss is its batch mean (MSE per microbatch
+ * scaled by 1 / its microbatch count), so the average of the ranks' gradients is the single
+ * process's gradient and the mean of their losses its loss: after 10 synchronous and then 10
+ * asynchronous AdamW steps the losses and the weights of both ranks must match the single
+ * process's to fp32 rounding (1e-5 relative: the two setups add the same terms in a different
+ * order, ~6e-8 per addition, compounded over 20 AdamW steps). Both ranks must hold bit-identical
+ * weights (they add the same two numbers). The ranks use different stage plans: the gradient
+ * buckets follow the parameters, not the jobs, so the plan must not matter. The model has a
+ * 27 MB weight, so the gradients travel in two buckets.
+ *
+ * Also: a rank that dies in the middle of a call makes the other rank's call fail with RP_ERR_IO
+ * within the timeout, and every later call with RP_ERR_STATE; bad options are refused.
+ */
+#include "test_support.h"
+
+#include <arpa/inet.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define WIDE 2600
+static const char *SPEC = "{\"layers\": ["
+                          "{\"type\": \"linear\", \"in\": 6, \"out\": 2600},"
+                          "{\"type\": \"tanh\"},"
+                          "{\"type\": \"linear\", \"in\": 2600, \"out\": 2600},"
+                          "{\"type\": \"tanh\"},"
+                          "{\"type\": \"linear\", \"in\": 2600, \"out\": 3}]}";
+static const int32_t PLAN_RANK0[2] = {2, 3};
+static const int32_t PLAN_RANK1[3] = {1, 2, 2};
+static const int32_t PLAN_SINGLE[2] = {3, 2};
+
+#define ROWS 8
+#define IN 6
+#define OUT 3
+#define SYNC_STEPS 10
+#define ASYNC_STEPS 10
+#define STEPS (SYNC_STEPS + ASYNC_STEPS)
+
+static float X[ROWS * IN], Y[ROWS * OUT];
+static const char *self_path = "/proc/self/exe";
+
+static void fill_data(void) {
+    ts_fill_uniform(X, ROWS * IN, 41, -1.5f, 1.5f);
+    ts_fill_uniform(Y, ROWS * OUT, 42, -1.f, 1.f);
+}
+
+/* A port nobody listens on now (the kernel's choice); the worker binds it a moment later. */
+static int free_port(void) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (s < 0 || bind(s, (struct sockaddr *)&a, sizeof a) != 0 ||
+        getsockname(s, (struct sockaddr *)&a, &len) != 0) {
+        print_error("no free port\n");
+        fail();
+    }
+    int port = ntohs(a.sin_port);
+    close(s);
+    return port;
+}
+
+static rp_model *dp_model(int rank, int port, const int32_t *plan, size_t plan_len,
+                          int64_t timeout_ms) {
+    char rendezvous[64];
+    snprintf(rendezvous, sizeof rendezvous, "tcp://127.0.0.1:%d", port);
+    rp_model_options *opts = NULL;
+    TS_OK(rp_model_options_create(&opts));
+    TS_OK(rp_model_options_set_seed(opts, 5 + (uint64_t)rank)); /* rank 0's weights must win */
+    TS_OK(rp_model_options_set_devices(opts, RP_DEVICE_CPU, 2));
+    TS_OK(rp_model_options_set_stage_plan(opts, plan, plan_len));
+    TS_OK(rp_model_options_set_data_parallel(opts, rank, 2, rendezvous, timeout_ms));
+    TS_OK(rp_model_options_set_global_loss(opts, 1));
+    rp_model *model = NULL;
+    TS_OK(rp_model_create(&model, SPEC, opts));
+    rp_model_options_destroy(opts);
+    return model;
+}
+
+/* One training call on rows [r0, r0 + rows), 2 rows per microbatch, loss = batch mean. */
+static rp_status fb_rows(double *out_loss, rp_model *model, int r0, int rows, rp_loss *loss) {
+    int64_t xs[2] = {rows, IN}, ys[2] = {rows, OUT};
+    DLManagedTensor *x = ts_f32(2, xs, X + r0 * IN), *y = ts_f32(2, ys, Y + r0 * OUT);
+    rp_run_config *cfg = ts_config(rows / 2, 0);
+    const DLManagedTensor *inputs[1] = {x};
+    rp_status st = rp_forward_backward(out_loss, NULL, model, inputs, 1, y, loss, cfg);
+    rp_run_config_destroy(cfg);
+    ts_free(x);
+    ts_free(y);
+    return st;
+}
+
+static rp_loss *mean_mse(int microbatches) {
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    TS_OK(rp_loss_set_scale(loss, 1.0 / microbatches));
+    return loss;
+}
+
+/* 10 synchronous, then 10 asynchronous AdamW steps on rows [r0, r0 + rows); losses[STEPS]. */
+static void train(rp_model *model, int r0, int rows, double *losses) {
+    rp_loss *loss = mean_mse(rows / 2);
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, 3e-5));
+    TS_OK(rp_optimizer_set_weight_decay(opt, 0.01));
+    for (int s = 0; s < STEPS; ++s) {
+        TS_OK(fb_rows(&losses[s], model, r0, rows, loss));
+        TS_OK(rp_step(model, opt, s >= SYNC_STEPS));
+    }
+    TS_OK(rp_synchronize(model));
+    rp_optimizer_destroy(opt);
+    rp_loss_destroy(loss);
+}
+
+/* ---- worker mode: test_data_parallel worker <mode> <rank> <port> <out file> ---------------- */
+
+static void write_results(const char *path, const double *losses, const ts_params *w) {
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(losses, sizeof(double), STEPS, f) != STEPS)
+        exit(3);
+    for (size_t i = 0; i < w->count; ++i)
+        if (fwrite(w->data[i], sizeof(float), (size_t)w->numel[i], f) != (size_t)w->numel[i])
+            exit(3);
+    fclose(f);
+}
+
+static int32_t die_in_the_loss(double *out_loss, DLManagedTensor **out_grad,
+                               const DLManagedTensor *outputs, const DLManagedTensor *labels,
+                               int32_t microbatch, void *user_data) {
+    (void)out_loss, (void)out_grad, (void)outputs, (void)labels, (void)microbatch, (void)user_data;
+    _exit(7); /* killed mid-call: the pipeline has started, its gradients never come */
+}
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int worker(const char *mode, int rank, int port, const char *out) {
+    fill_data();
+    if (strcmp(mode, "train") == 0) {
+        rp_model *model = rank == 0 ? dp_model(0, port, PLAN_RANK0, 2, 60000)
+                                    : dp_model(1, port, PLAN_RANK1, 3, 60000);
+        int32_t r = -1, world = -1;
+        TS_OK(rp_model_data_parallel(&r, &world, model));
+        if (r != rank || world != 2)
+            return 4;
+        double losses[STEPS];
+        train(model, rank * ROWS / 2, ROWS / 2, losses);
+        ts_params *w = ts_masters(model);
+        write_results(out, losses, w);
+        ts_params_free(w);
+        rp_model_destroy(model);
+        return 0;
+    }
+    if (strcmp(mode, "die") == 0) {
+        const int64_t timeout_ms = 5000;
+        rp_model *model = dp_model(rank, port, PLAN_RANK0, 2, timeout_ms);
+        rp_loss *loss = NULL;
+        if (rank == 1)
+            TS_OK(rp_loss_create_callback(&loss, die_in_the_loss, NULL));
+        else
+            loss = mean_mse(2);
+        double l = 0.0, t0 = seconds_now();
+        rp_status first = fb_rows(&l, model, 0, 4, loss);
+        double elapsed = seconds_now() - t0;
+        char message[512];
+        snprintf(message, sizeof message, "%s", rp_last_error_message());
+        rp_status second = fb_rows(&l, model, 0, 4, loss);
+        FILE *f = fopen(out, "w");
+        fprintf(f, "%d %d %.3f %s\n", (int)first, (int)second, elapsed, message);
+        fclose(f);
+        rp_loss_destroy(loss);
+        rp_model_destroy(model);
+        return 0;
+    }
+    return 2;
+}
+
+/* ---- the tests ----------------------------------------------------------------------------- */
+
+static pid_t spawn_worker(const char *mode, int rank, int port, const char *out) {
+    char rank_s[16], port_s[16];
+    snprintf(rank_s, sizeof rank_s, "%d", rank);
+    snprintf(port_s, sizeof port_s, "%d", port);
+    char *argv[] = {(char *)self_path, "worker", (char *)mode, rank_s, port_s, (char *)out, NULL};
+    pid_t pid = 0;
+    if (posix_spawn(&pid, self_path, NULL, NULL, argv, environ) != 0) {
+        print_error("could not start a worker\n");
+        fail();
+    }
+    return pid;
+}
+
+/* Waits at most `seconds` for the worker; kills it after that. Returns its exit status. */
+static int wait_worker(pid_t pid, double seconds) {
+    const double end = seconds_now() + seconds;
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+        if (seconds_now() > end) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            print_error("worker %d did not finish within %.0f s\n", (int)pid, seconds);
+            return -1;
+        }
+        usleep(20000);
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static char *temp_file(const char *dir, const char *name) {
+    char *p = malloc(strlen(dir) + strlen(name) + 2);
+    sprintf(p, "%s/%s", dir, name);
+    return p;
+}
+
+static void read_results(const char *path, double *losses, ts_params *like) {
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(losses, sizeof(double), STEPS, f), STEPS);
+    for (size_t i = 0; i < like->count; ++i)
+        assert_int_equal(fread(like->data[i], sizeof(float), (size_t)like->numel[i], f),
+                         (size_t)like->numel[i]);
+    fclose(f);
+}
+
+static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(void **state) {
+    (void)state;
+    char *dir = ts_tempdir();
+    char *out0 = temp_file(dir, "rank0.bin"), *out1 = temp_file(dir, "rank1.bin");
+    const int port = free_port();
+    pid_t p0 = spawn_worker("train", 0, port, out0), p1 = spawn_worker("train", 1, port, out1);
+    const int s0 = wait_worker(p0, 240), s1 = wait_worker(p1, 240);
+    assert_int_equal(s0, 0);
+    assert_int_equal(s1, 0);
+
+    /* The single process: same weights as rank 0 (seed 5), the whole batch. */
+    rp_model *single = ts_model(SPEC, 5, 2, PLAN_SINGLE, 2);
+    double want[STEPS];
+    train(single, 0, ROWS, want);
+    ts_params *w_single = ts_masters(single);
+    ts_params *w0 = ts_masters(single), *w1 = ts_masters(single); /* shapes; overwritten */
+    double got0[STEPS], got1[STEPS];
+    read_results(out0, got0, w0);
+    read_results(out1, got1, w1);
+    for (int s = 0; s < STEPS; ++s) {
+        if (!(fabs(got0[s] - want[s]) <= 1e-5 * fabs(want[s])) || got1[s] != got0[s]) {
+            print_error("step %d: global losses %.10g (rank 0) and %.10g (rank 1), one process "
+                        "on the whole batch %.10g\n", s, got0[s], got1[s], want[s]);
+            fail();
+        }
+    }
+    if (!(want[STEPS - 1] < 0.5 * want[0])) { /* it trains */
+        for (int s = 0; s < STEPS; ++s)
+            print_error("loss %d: %.6g\n", s, want[s]);
+        fail();
+    }
+    ts_assert_params_equal(w0, w1);
+    ts_assert_params_close(w0, w_single, 1e-5, "rank 0 weights vs one process");
+    ts_params_free(w_single);
+    ts_params_free(w0);
+    ts_params_free(w1);
+    rp_model_destroy(single);
+    ts_rmdir(dir);
+    free(out0);
+    free(out1);
+    free(dir);
+}
+
+static void a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout(void **state) {
+    (void)state;
+    char *dir = ts_tempdir();
+    char *out0 = temp_file(dir, "rank0.txt"), *out1 = temp_file(dir, "rank1.txt");
+    const int port = free_port();
+    pid_t p0 = spawn_worker("die", 0, port, out0), p1 = spawn_worker("die", 1, port, out1);
+    const int s1 = wait_worker(p1, 120), s0 = wait_worker(p0, 120);
+    assert_int_equal(s1, 7); /* died in its loss callback */
+    assert_int_equal(s0, 0);
+    FILE *f = fopen(out0, "r");
+    assert_non_null(f);
+    int first = 0, second = 0;
+    double elapsed = 0;
+    char message[512] = "";
+    assert_int_equal(fscanf(f, "%d %d %lf %511[^\n]", &first, &second, &elapsed, message), 4);
+    fclose(f);
+    if (first != RP_ERR_IO || second != RP_ERR_STATE || elapsed > 5.0 + 10.0 ||
+        !ts_contains(message, "data parallelism")) {
+        print_error("first call %d after %.2f s (%s), second call %d\n", first, elapsed, message,
+                    second);
+        fail();
+    }
+    ts_rmdir(dir);
+    free(out0);
+    free(out1);
+    free(dir);
+}
+
+static void bad_data_parallel_options_are_refused(void **state) {
+    (void)state;
+    rp_model_options *opts = NULL;
+    TS_OK(rp_model_options_create(&opts));
+    TS_ERR(rp_model_options_set_data_parallel(opts, 2, 2, NULL, 0), RP_ERR_INVALID_ARGUMENT, "rank");
+    TS_ERR(rp_model_options_set_data_parallel(opts, 0, -2, NULL, 0), RP_ERR_INVALID_ARGUMENT,
+           "world_size");
+    TS_ERR(rp_model_options_set_data_parallel(opts, 0, 2, NULL, -1), RP_ERR_INVALID_ARGUMENT,
+           "timeout");
+    TS_ERR(rp_model_options_set_global_loss(opts, 2), RP_ERR_INVALID_ARGUMENT, "0 or 1");
+    /* Checked at creation, before anything is built: the address and the environment. */
+    TS_OK(rp_model_options_set_data_parallel(opts, 0, 2, "udp://x:1", 1000));
+    rp_model *model = NULL;
+    TS_ERR(rp_model_create(&model, SPEC, opts), RP_ERR_INVALID_ARGUMENT, "env://");
+    assert_null(model);
+    TS_OK(rp_model_options_set_data_parallel(opts, 0, 2, "tcp://127.0.0.1:99999", 1000));
+    TS_ERR(rp_model_create(&model, SPEC, opts), RP_ERR_INVALID_ARGUMENT, "65535");
+    unsetenv("MASTER_ADDR");
+    TS_OK(rp_model_options_set_data_parallel(opts, 0, 2, "env://", 1000));
+    TS_ERR(rp_model_create(&model, SPEC, opts), RP_ERR_INVALID_ARGUMENT, "MASTER_ADDR");
+    rp_model_options_destroy(opts);
+    /* Without data parallelism a model is rank 0 of 1. */
+    rp_model *plain = ts_model(SPEC, 5, 1, NULL, 0);
+    int32_t rank = -1, world = -1;
+    TS_OK(rp_model_data_parallel(&rank, &world, plain));
+    assert_int_equal(rank, 0);
+    assert_int_equal(world, 1);
+    int32_t available = -1;
+    TS_OK(rp_data_parallel_available(&available));
+    assert_int_equal(available, 1);
+    rp_model_destroy(plain);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 6 && strcmp(argv[1], "worker") == 0)
+        return worker(argv[2], atoi(argv[3]), atoi(argv[4]), argv[5]);
+    fill_data();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(bad_data_parallel_options_are_refused),
+        cmocka_unit_test(two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch),
+        cmocka_unit_test(a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout),
+    };
+    return cmocka_run_group_tests_name("data_parallel", tests, NULL, NULL);
+}
