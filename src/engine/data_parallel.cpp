@@ -7,9 +7,16 @@
 #include "base/log.h"
 
 #ifdef RP_HAVE_C10D_GLOO
+#include <mutex>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+#ifdef RP_HAVE_C10D_NCCL
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 namespace rp {
@@ -69,10 +76,44 @@ bool data_parallel_available() { return true; }
 struct DataParallel::Group {
     c10::intrusive_ptr<c10d::Store> store;
     c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+#ifdef RP_HAVE_C10D_NCCL
+    std::vector<c10::intrusive_ptr<c10d::ProcessGroupNCCL>> nccl; // per local GPU index
+    std::vector<c10::cuda::CUDAStream> after_nccl; // per local GPU: waits for NCCL's results
+    std::mutex mutex; // the device threads of one rank enqueue concurrently
+    std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
+#endif
 };
 
+namespace {
+
+#ifdef RP_HAVE_C10D_NCCL
+// One NCCL group per local GPU index, connected now, while every rank is known to be there (a
+// communicator or a connection set up at the first collective waits, without our timeout, for a
+// rank that may have died since: NCCL_RUNTIME_CONNECT=0 makes NCCL connect at set-up). On a timeout ProcessGroupNCCL's watchdog aborts the communicators; its default then
+// also ends the process, which would take the caller's program with it: unless the user chose
+// otherwise, it only cleans up, and the failed collective becomes the call's error.
+void add_device_groups(DataParallel::Group &g, const std::vector<at::Device> &devices, int rank,
+                       int world, std::chrono::milliseconds timeout) {
+    setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
+    setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
+    for (size_t d = 0; d < devices.size(); ++d) {
+        auto options = c10d::ProcessGroupNCCL::Options::create();
+        options->timeout = timeout;
+        auto store = c10::make_intrusive<c10d::PrefixStore>("nccl/" + std::to_string(d), g.store);
+        auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, options);
+        pg->setBoundDeviceId(devices[d]);
+        pg->eagerConnectSingleDevice(devices[d]);
+        g.nccl.push_back(pg);
+        g.after_nccl.push_back(c10::cuda::getStreamFromPool(false, devices[d].index()));
+    }
+}
+#endif
+
+} // namespace
+
 std::unique_ptr<DataParallel> DataParallel::join(const DataParallelOptions &o,
-                                                 const std::string &name) {
+                                                 const std::string &name,
+                                                 const std::vector<at::Device> &devices) {
     const int world = o.world_size < 0 ? env_int("WORLD_SIZE", "world size -1 reads it")
                                        : o.world_size;
     const int rank = o.rank < 0 ? env_int("RANK", "rank -1 reads it") : o.rank;
@@ -104,13 +145,26 @@ std::unique_ptr<DataParallel> DataParallel::join(const DataParallelOptions &o,
         options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
         group->gloo =
             c10::make_intrusive<c10d::ProcessGroupGloo>(group->store, rank, world, options);
+#ifdef RP_HAVE_C10D_NCCL
+        if (!devices.empty() && devices[0].is_cuda())
+            add_device_groups(*group, devices, rank, world, timeout);
+#endif
     } catch (const std::exception &e) {
         fail(ErrorKind::Io, "data parallelism: rank " + std::to_string(rank) + " of " +
                                 std::to_string(world) + " could not join the group at " +
                                 at.host + ":" + std::to_string(at.port) + ": " + e.what());
     }
-    return std::unique_ptr<DataParallel>(
+#ifdef RP_HAVE_C10D_NCCL
+    const size_t device_groups = group->nccl.size();
+#else
+    const size_t device_groups = 0;
+#endif
+    log(LogLevel::Info, name + ": gradients are averaged " +
+                            (device_groups ? "on the GPUs (NCCL)" : "in host memory (Gloo)"));
+    auto dp = std::unique_ptr<DataParallel>(
         new DataParallel(std::move(group), rank, world, o.global_loss, o.timeout_ms));
+    dp->device_groups_ = device_groups;
+    return dp;
 }
 
 template <class F> void DataParallel::collective(const char *what, F &&run) {
@@ -119,10 +173,7 @@ template <class F> void DataParallel::collective(const char *what, F &&run) {
         c10::intrusive_ptr<c10d::Work> work = run(*group_->gloo);
         work->wait(std::chrono::milliseconds(timeout_ms_));
     } catch (const std::exception &e) {
-        broken_ = std::string(what) + " failed: " + e.what();
-        fail(ErrorKind::Io, "data parallelism: rank " + std::to_string(rank_) + ": " + broken_ +
-                                " (another rank died, failed its call or did not arrive within " +
-                                std::to_string(timeout_ms_) + " ms)");
+        fail_collective(std::string(what) + " failed: " + e.what());
     }
 }
 
@@ -146,13 +197,91 @@ double DataParallel::mean(double value) {
     return one[0].item<double>() / world_size_;
 }
 
+void DataParallel::average(std::vector<double> &values) {
+    std::vector<at::Tensor> one{at::tensor(values, at::kDouble)};
+    collective("an all-reduce of measured layer times",
+               [&](c10d::ProcessGroupGloo &g) { return g.allreduce(one); });
+    for (size_t i = 0; i < values.size(); ++i)
+        values[i] = one[0][static_cast<int64_t>(i)].item<double>() / world_size_;
+}
+
+void DataParallel::check_same(uint64_t fingerprint, const std::string &what) {
+    // The largest of (f, -f) over the ranks is (f, -f) itself only when every rank has f.
+    const auto f = static_cast<int64_t>(fingerprint >> 1);
+    std::vector<at::Tensor> one{at::tensor(std::vector<int64_t>{f, -f}, at::kLong)};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    collective("a plan check", [&](c10d::ProcessGroupGloo &g) { return g.allreduce(one, max); });
+    require(one[0][0].item<int64_t>() == f && one[0][1].item<int64_t>() == -f,
+            "data parallelism: rank " + std::to_string(rank_) + ": the ranks differ in " + what +
+                "; with GPU data parallelism every rank must run the same stage plan on the "
+                "same number of GPUs (their gradients meet in per-GPU collectives)");
+}
+
+#ifdef RP_HAVE_C10D_NCCL
+std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &flat,
+                                                      const at::Tensor &sums) {
+    check_usable();
+    const size_t d = static_cast<size_t>(flat.device().index());
+    auto &g = *group_;
+    require(d < g.nccl.size(), "data parallelism: no NCCL group for GPU " + std::to_string(d));
+    std::vector<at::Tensor> a{flat}, b{sums};
+    c10d::AllreduceOptions avg;
+    avg.reduceOp = c10d::ReduceOp::AVG;
+    c10::intrusive_ptr<c10d::Work> w1, w2;
+    auto ready = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+    try {
+        // ProcessGroupNCCL runs on its own stream, after the current stream's work so far.
+        w1 = g.nccl[d]->allreduce(a, avg);
+        w2 = g.nccl[d]->allreduce(b);
+        // wait() makes the current stream wait for NCCL: let a side stream do it, so that the
+        // compute stream goes on with the layers below while the collective runs.
+        c10::cuda::CUDAStreamGuard guard(g.after_nccl[d]);
+        w1->wait();
+        w2->wait();
+        ready->record(g.after_nccl[d]);
+    } catch (const std::exception &e) {
+        fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") + e.what());
+    }
+    std::lock_guard<std::mutex> lock(g.mutex);
+    g.in_flight.push_back(w1);
+    g.in_flight.push_back(w2);
+    return ready;
+}
+
+void DataParallel::finish_device_collectives(bool report_failure) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+        std::lock_guard<std::mutex> lock(group_->mutex);
+        works.swap(group_->in_flight);
+    }
+    if (!report_failure)
+        return;
+    for (auto &w : works)
+        if (std::exception_ptr e = w->exception()) {
+            try {
+                std::rethrow_exception(e);
+            } catch (const std::exception &err) {
+                fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") +
+                                err.what());
+            }
+        }
+}
+#else
+std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &, const at::Tensor &) {
+    fail(ErrorKind::Internal, "data parallelism: this build has no NCCL");
+}
+void DataParallel::finish_device_collectives(bool) {}
+#endif
+
 #else // built without libtorch's Gloo headers
 
 bool data_parallel_available() { return false; }
 
 struct DataParallel::Group {};
 
-std::unique_ptr<DataParallel> DataParallel::join(const DataParallelOptions &, const std::string &) {
+std::unique_ptr<DataParallel> DataParallel::join(const DataParallelOptions &, const std::string &,
+                                                 const std::vector<at::Device> &) {
     fail(ErrorKind::InvalidArgument,
          "data parallelism: this libroundpipe was built without c10d's Gloo support (the "
          "gloo headers were not found at configure time; on Debian: apt install libgloo-dev)");
@@ -160,6 +289,12 @@ std::unique_ptr<DataParallel> DataParallel::join(const DataParallelOptions &, co
 void DataParallel::broadcast(const std::vector<at::Tensor> &) {}
 void DataParallel::sum(at::Tensor &) {}
 double DataParallel::mean(double value) { return value; }
+void DataParallel::average(std::vector<double> &) {}
+void DataParallel::check_same(uint64_t, const std::string &) {}
+std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &, const at::Tensor &) {
+    return nullptr;
+}
+void DataParallel::finish_device_collectives(bool) {}
 
 #endif
 
@@ -168,12 +303,39 @@ DataParallel::DataParallel(std::unique_ptr<Group> group, int rank, int world_siz
     : group_(std::move(group)), rank_(rank), world_size_(world_size), global_loss_(global_loss),
       timeout_ms_(timeout_ms) {}
 
-DataParallel::~DataParallel() = default;
+DataParallel::~DataParallel() {
+#ifdef RP_HAVE_C10D_NCCL
+    for (auto &pg : group_->nccl)
+        try {
+            pg->shutdown(); // what torch.distributed.destroy_process_group does
+        } catch (...) {
+        }
+#endif
+}
+
+void DataParallel::fail_collective(const std::string &what_failed) {
+    mark_broken(what_failed);
+    fail(ErrorKind::Io, "data parallelism: rank " + std::to_string(rank_) + ": " + what_failed +
+                            " (another rank died, failed its call or did not arrive within " +
+                            std::to_string(timeout_ms_) + " ms)");
+}
+
+void DataParallel::mark_broken(const std::string &why) {
+    std::lock_guard<std::mutex> lock(broken_mutex_);
+    if (broken_.empty())
+        broken_ = why;
+}
+
+std::string DataParallel::why_broken() const {
+    std::lock_guard<std::mutex> lock(broken_mutex_);
+    return broken_;
+}
 
 void DataParallel::check_usable() const {
-    if (!broken_.empty())
+    const std::string broken = why_broken();
+    if (!broken.empty())
         fail(ErrorKind::State, "data parallelism: rank " + std::to_string(rank_) +
-                                   ": the group is unusable since " + broken_ +
+                                   ": the group is unusable since " + broken +
                                    "; the ranks' collectives no longer match, so destroy this "
                                    "model and create it again on every rank");
 }

@@ -81,10 +81,34 @@ void FinalGradients::add(size_t leaf, const at::Tensor &grad, at::Tensor sum) {
 void FinalGradients::flush() {
     if (grads_.empty())
         return;
-    download_group(ctx_, std::move(grads_), std::move(sums_), lane_, job_, lane_.mark_compute());
+    std::shared_ptr<void> ready = lane_.mark_compute();
+    if (ctx_.device_reduction)
+        ready = average_over_ranks();
+    download_group(ctx_, std::move(grads_), std::move(sums_), lane_, job_, std::move(ready));
     grads_.clear();
     sums_.clear();
     bytes_ = 0;
+}
+
+std::shared_ptr<void> FinalGradients::average_over_ranks() {
+    // One collective per group: the gradients side by side in one buffer (a copy in device
+    // memory, cheap next to the transfer), their sums in another. The downloads then read the
+    // averages; a sum is inf or nan when any rank's gradients held one, so every rank makes the
+    // same skip decision.
+    std::vector<at::Tensor> flat_parts;
+    for (const auto &g : grads_)
+        flat_parts.push_back(g.second.reshape(-1));
+    at::Tensor flat = at::cat(flat_parts);
+    at::Tensor sums = at::stack(sums_);
+    std::shared_ptr<void> ready = ctx_.device_reduction->average_on_device(flat, sums);
+    int64_t offset = 0;
+    for (auto &g : grads_) {
+        const int64_t n = g.second.numel();
+        g.second = flat.narrow(0, offset, n).view(g.second.sizes());
+        offset += n;
+    }
+    sums_ = sums.unbind(0);
+    return ready;
 }
 
 } // namespace rp

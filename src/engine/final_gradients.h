@@ -44,6 +44,9 @@ class FinalGradients {
     struct Hook;
     void add(size_t leaf, const at::Tensor &grad, at::Tensor sum);
     void flush();
+    // GPU data parallelism: replaces the group's gradients and sums by their averages and sums
+    // over the ranks; returns the marker the downloads wait for.
+    std::shared_ptr<void> average_over_ranks();
 
     CallContext &ctx_;
     const std::vector<std::pair<size_t, at::Tensor>> &leaves_;

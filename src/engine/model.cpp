@@ -57,14 +57,12 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
     for (auto &layer : layers_)
         layer->drop_initial_values();
     if (o.data_parallel.world_size != 0) {
-        dp_ = DataParallel::join(o.data_parallel, name_);
-        // Every rank starts from rank 0's weights (and buffers), whatever its seed.
-        std::vector<at::Tensor> masters;
-        for (size_t i = 0; i < store_.size(); ++i)
-            masters.push_back(store_.at(i).master);
-        dp_->broadcast(masters);
-        store_.refresh_live_from_master();
-        gradients_.set_data_parallel(dp_.get());
+        std::vector<at::Device> devices;
+        for (size_t d = 0; d < num_devices(); ++d)
+            devices.push_back(pipeline_.device(d));
+        dp_ = DataParallel::join(o.data_parallel, name_, devices);
+        if (!dp_->reduces_on_device())
+            gradients_.set_data_parallel(dp_.get());
     }
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;
@@ -249,6 +247,7 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
 double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                                const Loss &call_loss, const RunConfig &call,
                                std::vector<at::Tensor> *outputs) {
+    share_initial_weights();
     timeline_.begin_call();
     std::optional<HostSpan> phase(std::in_place, timeline_, "caller", "prepare");
     check_index_ranges(inputs, labels);
@@ -286,6 +285,8 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.keep_outputs = outputs != nullptr;
     ctx.gradients = &gradients_;
     gate_call(ctx);
+    prepare_device_reduction(ctx);
+    const bool buffers_were_zero = grads_zero_;
     gradients_.begin_call(grads_zero_, 1.0 / scale,
                           dp_ ? gradient_jobs_per_param(ctx) : std::vector<int>{});
     phase.emplace(timeline_, "caller", "pipeline");
@@ -293,10 +294,13 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
         pipeline_.run(ctx);
     } catch (...) {
         gradients_.end_call(false); // a failed call leaves no trace in the gradients
+        if (ctx.device_reduction)
+            dp_->finish_device_collectives(/*report_failure=*/false); // the call's error wins
         throw;
     }
     phase.emplace(timeline_, "caller", "gradient drain");
     gradients_.end_call(true);
+    finish_device_reduction(ctx, buffers_were_zero);
     phase.emplace(timeline_, "caller", "loss");
     grads_zero_ = false;
     // The first call's times are mostly one-time costs (library initialisation, kernel
@@ -321,6 +325,37 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     return total;
 }
 
+
+void Model::share_initial_weights() {
+    if (!dp_ || initial_weights_shared_)
+        return;
+    synchronize();
+    std::vector<at::Tensor> masters;
+    for (size_t i = 0; i < store_.size(); ++i)
+        masters.push_back(store_.at(i).master);
+    dp_->broadcast(masters);
+    store_.refresh_live_from_master();
+    initial_weights_shared_ = true;
+}
+
+void Model::prepare_device_reduction(CallContext &ctx) {
+    if (!dp_ || !dp_->reduces_on_device())
+        return;
+    dp_->check_same(job_layout_fingerprint(ctx, num_devices()), "the stages of this call");
+    ctx.device_reduction = dp_.get();
+}
+
+void Model::finish_device_reduction(const CallContext &ctx, bool buffers_were_zero) {
+    if (!ctx.device_reduction)
+        return;
+    try {
+        dp_->finish_device_collectives(/*report_failure=*/true);
+    } catch (...) {
+        if (buffers_were_zero)
+            store_.zero_grads();
+        throw;
+    }
+}
 
 double Model::reported_loss(double local) {
     return dp_ && dp_->global_loss() ? dp_->mean(local) : local;

@@ -205,6 +205,17 @@ class Model {
     void rethrow_step_error();
     // The reported loss of a training call: this rank's, or the mean over the ranks if asked.
     double reported_loss(double local);
+    // Data parallel, before the first training call: every rank takes rank 0's weights (and
+    // buffers), whatever its seed and whatever the caller wrote into them since creation (a
+    // binding copies a framework module's weights in after rp_model_create).
+    void share_initial_weights();
+    // Data parallel on the GPUs: the ranks agree on the call's job layout, and the call's
+    // gradients are averaged on the devices.
+    void prepare_device_reduction(CallContext &ctx);
+    // After a call's pipeline: a failed device collective fails the call; `buffers_were_zero`:
+    // its gradients then leave no trace.
+    void finish_device_reduction(const CallContext &ctx, bool buffers_were_zero);
+    bool initial_weights_shared_ = false;
 
     std::string name_;
     uint64_t seed_;

@@ -143,6 +143,8 @@ void Model::replan_from_trace() {
         for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
             cost[l] = stage_ms[s] * layers_[l]->cost_estimate() / estimate;
     }
+    if (dp_) // every rank must plan alike (GPU data parallelism pairs the ranks' jobs)
+        dp_->average(cost);
     layer_costs_ = std::move(cost);
     plans_.clear();
     stages_ = make_plan(std::get<0>(last_plan_key_),

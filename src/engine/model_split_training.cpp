@@ -29,6 +29,7 @@ Microbatches owned_copy(const Microbatches &mb) {
 
 std::vector<at::Tensor> Model::forward_train(const std::vector<at::Tensor> &inputs,
                                              const RunConfig &call) {
+    share_initial_weights();
     const ResolvedRunConfig cfg = resolve_run_config(call);
     Microbatches mb = begin_forward_call(inputs, cfg);
     pending_.reset(); // a new forward replaces one whose backward never came
@@ -193,6 +194,8 @@ void Model::backward(const std::vector<at::Tensor> &output_grads,
     if (input_grads)
         ctx.input_grads.assign(p->microbatches.inputs.size(), {});
     gate_call(ctx);
+    prepare_device_reduction(ctx);
+    const bool buffers_were_zero = grads_zero_;
     gradients_.begin_call(grads_zero_, 1.0 / scale,
                           dp_ ? gradient_jobs_per_param(ctx) : std::vector<int>{});
     std::vector<at::Tensor> merged;
@@ -202,9 +205,12 @@ void Model::backward(const std::vector<at::Tensor> &output_grads,
             merged = merge_input_grads(*p, std::move(ctx.input_grads), 1.0 / scale);
     } catch (...) {
         gradients_.end_call(false);
+        if (ctx.device_reduction)
+            dp_->finish_device_collectives(/*report_failure=*/false); // the call's error wins
         throw;
     }
     gradients_.end_call(true);
+    finish_device_reduction(ctx, buffers_were_zero);
     grads_zero_ = false;
     if (input_grads)
         *input_grads = std::move(merged);

@@ -444,6 +444,24 @@ void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceL
     ctx.gradients->job_done(trained);
 }
 
+uint64_t job_layout_fingerprint(const CallContext &ctx, size_t num_devices) {
+    uint64_t h = 1469598103934665603ull; // FNV-1a
+    auto mix = [&](uint64_t v) {
+        h ^= v;
+        h *= 1099511628211ull;
+    };
+    mix(static_cast<uint64_t>(ctx.kind));
+    mix(num_devices);
+    for (const std::vector<Stage> *list : {&ctx.stages, &ctx.backward_stages}) {
+        mix(list->size());
+        for (const Stage &s : *list) {
+            mix(s.first_layer);
+            mix(s.end_layer);
+        }
+    }
+    return h;
+}
+
 std::vector<int> gradient_jobs_per_param(const CallContext &ctx) {
     std::vector<const Stage *> stages; // of the jobs that deliver gradients (see Pipeline::run)
     if (ctx.kind == CallKind::Fused) {

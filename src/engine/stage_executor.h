@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "engine/call_state.h"
+#include "engine/data_parallel.h"
 #include "engine/device_lane.h"
 #include "engine/grad_accumulator.h"
 #include "engine/loss.h"
@@ -77,6 +78,9 @@ struct CallContext {
     std::vector<at::Tensor> losses;                  // [mb], 0-d
     std::vector<std::vector<at::Tensor>> input_grads; // [mb][input], want_input_grads only
     GradAccumulator *gradients = nullptr; // receives each training job's downloaded gradients
+    // GPU data parallelism: final gradients are averaged over the ranks on the device before
+    // they are downloaded (FinalGradients).
+    DataParallel *device_reduction = nullptr;
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };
@@ -92,6 +96,10 @@ bool stage_weights_ready(const CallContext &ctx, const Stage &stage);
 // optimizer where the call is gated.
 Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, DeviceLane &lane,
                               size_t job);
+
+// Identifies the call's job layout (kind, stages, devices): ranks that average gradients on the
+// devices must agree on it.
+uint64_t job_layout_fingerprint(const CallContext &ctx, size_t num_devices);
 
 // Per parameter: how many of the call's jobs deliver a gradient of it (those that make autograd
 // leaves of trainable parameters: the tail and backward jobs), for the gradient reduction.

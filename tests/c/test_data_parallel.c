@@ -14,6 +14,10 @@
  * buckets follow the parameters, not the jobs, so the plan must not matter. The model has a
  * 27 MB weight, so the gradients travel in two buckets.
  *
+ * With RP_TEST_DEVICE=cuda (scripts/gpu-check.sh, on a machine with 2 GPUs) each rank runs on
+ * its own GPU (CUDA_VISIBLE_DEVICES) and the gradients are averaged on the GPUs with NCCL; there
+ * every rank must run the same plan, so both use rank 0's.
+ *
  * Also: a rank that dies in the middle of a call makes the other rank's call fail with RP_ERR_IO
  * within the timeout, and every later call with RP_ERR_STATE; bad options are refused.
  */
@@ -85,7 +89,7 @@ static rp_model *dp_model(int rank, int port, const int32_t *plan, size_t plan_l
     rp_model_options *opts = NULL;
     TS_OK(rp_model_options_create(&opts));
     TS_OK(rp_model_options_set_seed(opts, 5 + (uint64_t)rank)); /* rank 0's weights must win */
-    TS_OK(rp_model_options_set_devices(opts, RP_DEVICE_CPU, 2));
+    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
     TS_OK(rp_model_options_set_stage_plan(opts, plan, plan_len));
     TS_OK(rp_model_options_set_data_parallel(opts, rank, 2, rendezvous, timeout_ms));
     TS_OK(rp_model_options_set_global_loss(opts, 1));
@@ -159,8 +163,9 @@ static double seconds_now(void) {
 static int worker(const char *mode, int rank, int port, const char *out) {
     fill_data();
     if (strcmp(mode, "train") == 0) {
-        rp_model *model = rank == 0 ? dp_model(0, port, PLAN_RANK0, 2, 60000)
-                                    : dp_model(1, port, PLAN_RANK1, 3, 60000);
+        const int on_gpus = ts_device_kind() == RP_DEVICE_CUDA; /* NCCL: one plan for all */
+        rp_model *model = rank == 0 || on_gpus ? dp_model(rank, port, PLAN_RANK0, 2, 60000)
+                                               : dp_model(1, port, PLAN_RANK1, 3, 60000);
         int32_t r = -1, world = -1;
         TS_OK(rp_model_data_parallel(&r, &world, model));
         if (r != rank || world != 2)
@@ -204,8 +209,23 @@ static pid_t spawn_worker(const char *mode, int rank, int port, const char *out)
     snprintf(rank_s, sizeof rank_s, "%d", rank);
     snprintf(port_s, sizeof port_s, "%d", port);
     char *argv[] = {(char *)self_path, "worker", (char *)mode, rank_s, port_s, (char *)out, NULL};
+    /* On GPUs each rank has its own: the first visible GPU is the rank's. */
+    char visible[48];
+    snprintf(visible, sizeof visible, "CUDA_VISIBLE_DEVICES=%d", rank);
+    size_t n = 0;
+    while (environ[n])
+        ++n;
+    char **env = calloc(n + 2, sizeof(char *));
+    size_t k = 0;
+    for (size_t i = 0; i < n; ++i)
+        if (strncmp(environ[i], "CUDA_VISIBLE_DEVICES=", 21) != 0)
+            env[k++] = environ[i];
+    if (ts_device_kind() == RP_DEVICE_CUDA)
+        env[k++] = visible;
     pid_t pid = 0;
-    if (posix_spawn(&pid, self_path, NULL, NULL, argv, environ) != 0) {
+    const int spawned = posix_spawn(&pid, self_path, NULL, NULL, argv, env);
+    free(env);
+    if (spawned != 0) {
         print_error("could not start a worker\n");
         fail();
     }
