@@ -89,12 +89,17 @@ namespace {
 #ifdef RP_HAVE_C10D_NCCL
 // One NCCL group per local GPU index, connected now, while every rank is known to be there (a
 // communicator or a connection set up at the first collective waits, without our timeout, for a
-// rank that may have died since: NCCL_RUNTIME_CONNECT=0 makes NCCL connect at set-up). On a timeout ProcessGroupNCCL's watchdog aborts the communicators; its default then
-// also ends the process, which would take the caller's program with it: unless the user chose
-// otherwise, it only cleans up, and the failed collective becomes the call's error.
+// rank that may have died since: NCCL_RUNTIME_CONNECT=0 makes NCCL connect at set-up).
+//
+// A collective that does not complete within the timeout is caught by ProcessGroupNCCL's
+// watchdog (it logs the timeout), whose error handling is left at torch's default (as for DDP).
+// Known gap, measured with torch 2.11 and NCCL 2.28 on two H200s: after a rank died mid-call the
+// watchdog caught the timeout at 5 s, but the surviving rank's call had not returned 60 s later,
+// neither with the default handling nor with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only).
+// The watchdog's debug dump, which never finished there, is off unless the user asks for it.
 void add_device_groups(DataParallel::Group &g, const std::vector<at::Device> &devices, int rank,
                        int world, std::chrono::milliseconds timeout) {
-    setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
+    setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", /*overwrite=*/0);
     setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     for (size_t d = 0; d < devices.size(); ++d) {
         auto options = c10d::ProcessGroupNCCL::Options::create();
