@@ -35,6 +35,9 @@ struct Options {
     bool host_check = true;
     bool check = false;
     std::string label;
+    // Data parallel from torchrun's environment ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT):
+    // this process is one rank; tokens/s are this rank's.
+    bool data_parallel = false;
 
     const Shape &model_shape() const; // the shape named by `shape` (checked by parse_options)
     int64_t tokens() const { return batch * seq; }

@@ -17,6 +17,7 @@ json bytes_or_null(bool present, int64_t v) { return present ? json(v) : json(nu
 void report_creation(json &out, const RoundPipeRun &r) {
     out["create_ms"] = r.create_ms;
     out["num_devices"] = r.num_devices;
+    out["data_parallel"] = {{"rank", r.rank}, {"world_size", r.world_size}};
     out["gpu_memory_cap_bytes"] = r.gpu_memory_cap;
 }
 

@@ -75,6 +75,8 @@ OptionsPtr bench_options(const Options &o) {
         RP_CHECK(rp_model_options_set_stage_plan(mo.get(), plan.data(), plan.size()));
     RP_CHECK(rp_model_options_set_run_config(mo.get(),
                                              run_config(o.microbatches, o.grain).get()));
+    if (o.data_parallel)
+        RP_CHECK(rp_model_options_set_data_parallel(mo.get(), -1, -1, "env://", 0));
     return mo;
 }
 
@@ -124,6 +126,7 @@ void create_model(RoundPipeRun &r, Session &sess, const Options &o) {
     RP_CHECK(rp_model_num_devices(&r.num_devices, sess.model.m));
     RP_CHECK(rp_model_num_layers(&r.num_layers, sess.model.m));
     RP_CHECK(rp_model_gpu_memory_cap(&r.gpu_memory_cap, sess.model.m));
+    RP_CHECK(rp_model_data_parallel(&r.rank, &r.world_size, sess.model.m));
     r.created = true;
 }
 

@@ -16,6 +16,7 @@ struct RoundPipeRun {
     bool created = false;
     double create_ms = 0;
     int32_t num_devices = 0, num_layers = 0;
+    int32_t rank = 0, world_size = 1; // rp_model_data_parallel
     int64_t gpu_memory_cap = 0;
     // Set once every phase has run.
     bool finished = false;
