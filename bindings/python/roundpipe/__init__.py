@@ -22,6 +22,10 @@ Hugging Face Qwen3 / Llama causal LMs come in through wrap_model_to_roundpipe(tr
 RoundPipe("path/to/hf_dir") or RoundPipe(config_dict), train with loss_fn="causal_lm" and save
 with save_pretrained(dir) (see the README).
 
+Several processes train one model together with ``RoundPipe(..., data_parallel=DataParallel())``
+under torchrun: each runs its own pipeline on its share of the batch, the engine averages the
+gradients (roundpipe.distributed, docs/several-machines.md).
+
 The library is found through ROUNDPIPE_LIBRARY, next to the package, then the build tree of
 a source checkout (see roundpipe._capi).
 
@@ -39,6 +43,7 @@ from .timer import ModelTimer
 from .errors import LibraryNotFoundError, RoundPipeError, RoundPipeUnsupportedError, Status
 from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .context import OptimizerCtx
+from .distributed import DataParallel, data_parallel_available
 from .grad_scaler import GradScaler
 from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
 from .wrap import AutoRoundPipe, wrap_model_to_roundpipe
@@ -72,4 +77,5 @@ __all__ = [
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
     "HostStateBytes", "doing_recompute", "save_for_recompute", "get_recompute_data",
     "AutoRoundPipe", "GradScaler", "OptimizerCtx", "ModelExecutePlan", "ModelTimer",
+    "DataParallel", "data_parallel_available",
 ]

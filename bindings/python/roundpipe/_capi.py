@@ -322,6 +322,11 @@ def _declare_model(fn):
        [rp_model_options_p, c_char_p])                               # rp_status rp_model_options_set_name(rp_model_options *options, const char *name);
     fn("rp_model_options_set_devices", st,
        [rp_model_options_p, c_int32, c_int32])                       # rp_status rp_model_options_set_devices(rp_model_options *options, int32_t kind, int32_t num_devices);
+    fn("rp_model_options_set_data_parallel", st,
+       [rp_model_options_p, c_int32, c_int32, c_char_p, c_int64])    # rp_status rp_model_options_set_data_parallel(rp_model_options *options, int32_t rank, int32_t world_size, const char *rendezvous, int64_t timeout_ms);
+    fn("rp_model_options_set_global_loss", st,
+       [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t global);
+    fn("rp_data_parallel_available", st, [P(c_int32)])               # rp_status rp_data_parallel_available(int32_t *out_available);
     fn("rp_model_options_set_stage_plan", st,
        [rp_model_options_p, P(c_int32), c_size_t])                   # rp_status rp_model_options_set_stage_plan(rp_model_options *options, const int32_t *layers_per_stage, size_t n);
     fn("rp_model_create", st,
@@ -349,6 +354,8 @@ def _declare_model(fn):
     fn("rp_model_set_skip_nonfinite_steps", st,
        [rp_model_p, c_int32])                                        # rp_status rp_model_set_skip_nonfinite_steps(rp_model *model, int32_t skip);
     fn("rp_model_gpu_memory_cap", st, [P(c_int64), rp_model_p])      # rp_status rp_model_gpu_memory_cap(int64_t *out_bytes, const rp_model *model);
+    fn("rp_model_data_parallel", st,
+       [P(c_int32), P(c_int32), rp_model_p])                         # rp_status rp_model_data_parallel(int32_t *out_rank, int32_t *out_world_size, const rp_model *model);
     fn("rp_model_host_state_bytes", st,
        [P(c_int64), P(c_int64), rp_model_p])                         # rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);
     fn("rp_model_trace_json", st, [P(c_char_p), rp_model_p])         # rp_status rp_model_trace_json(const char **out_json, rp_model *model);

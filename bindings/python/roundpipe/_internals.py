@@ -172,14 +172,16 @@ class ModelOptions(Owned):
     """An ``rp_model_options`` with every value given that is not None (C values: dtypes,
     modes and kinds as the header's enums; `devices` (kind, count); `grad_scaler` (scale,
     interval); `stage_plan` layers per stage; `run_config` a :class:`RunConfig`, copied by the
-    engine)."""
+    engine; `data_parallel` (rank, world_size, rendezvous bytes, timeout_ms, global_loss),
+    :meth:`roundpipe.DataParallel.engine_values`)."""
 
     _ctype = _capi.rp_model_options_p
     _what = "model options"
 
     def __init__(self, model_dtype=None, optim_dtype=None, pin_mode=None, host_memory_mode=None,
                  seed=None, name=None, devices=None, gpu_memory_cap=None, grad_scaler=None,
-                 stage_plan=None, run_config=None, skip_nonfinite_steps=None):
+                 stage_plan=None, run_config=None, skip_nonfinite_steps=None,
+                 data_parallel=None):
         L = lib()
         super().__init__(L.rp_model_options_create)
         h = self.handle
@@ -206,6 +208,11 @@ class ModelOptions(Owned):
                 L.rp_model_options_set_stage_plan(h, plan, len(stage_plan))
             if run_config is not None:
                 L.rp_model_options_set_run_config(h, run_config.handle)
+            if data_parallel is not None:
+                rank, world_size, rendezvous, timeout_ms, global_loss = data_parallel
+                L.rp_model_options_set_data_parallel(h, rank, world_size, rendezvous,
+                                                     timeout_ms)
+                L.rp_model_options_set_global_loss(h, global_loss)
         except BaseException:
             self.close()
             raise
@@ -567,6 +574,13 @@ class Model(Owned):
         n_bytes, n_elements = c_int64(), c_int64()
         lib().rp_model_host_state_bytes(byref(n_bytes), byref(n_elements), self.handle)
         return n_bytes.value, n_elements.value
+
+    def data_parallel(self):
+        """(rank, world_size) the engine joined with (``rp_model_data_parallel``; 0 and 1
+        without data parallelism)."""
+        rank, world_size = c_int32(), c_int32()
+        lib().rp_model_data_parallel(byref(rank), byref(world_size), self.handle)
+        return rank.value, world_size.value
 
     def trace_json(self):
         return query(lib().rp_model_trace_json, self.handle, ctype=c_char_p).decode()

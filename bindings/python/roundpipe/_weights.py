@@ -94,11 +94,15 @@ class WeightsMixin:
         (synchronizes first) in the model dtype under Hugging Face names, in the file layout of
         the checkpoint it was loaded from (one model.safetensors, or the same shards and index).
         The directory is created if missing (its parent must exist); tokenizer files are not
-        written. Only for models built from a Hugging Face model, directory or config."""
+        written. Only for models built from a Hugging Face model, directory or config. With
+        data parallelism only rank 0 writes (the other ranks' calls do nothing)."""
         original = self._original_model
         if self._hf_config is None and hasattr(original, "save_pretrained"):
-            # a Python preset (PEFT models included): the wrapped model saves itself
+            # a Python preset (PEFT models included): the wrapped model saves itself, on
+            # data-parallel rank 0 only, as the engine's own saves
             self.synchronize()
+            if self._model.data_parallel()[0] != 0:
+                return None
             return original.save_pretrained(save_directory,
                                             safe_serialization=safe_serialization, **kwargs)
         if not safe_serialization:
@@ -133,7 +137,8 @@ class WeightsMixin:
                 for i, (name, p) in enumerate(self._params.build())]
 
     def save(self, path):
-        """Save the latest weights (model dtype, engine names) as safetensors."""
+        """Save the latest weights (model dtype, engine names) as safetensors (with data
+        parallelism: on rank 0 only)."""
         self._model.call("model_save", os.fsencode(os.fspath(path)))
 
     def load(self, path):

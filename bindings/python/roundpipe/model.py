@@ -29,6 +29,7 @@ from ._microbatch import (RoundPipePackedData, builtin_label_dim, call_inputs, m
 from .execute_plan import EnginePlan, check_model_plan, model_stage_plan
 from .config import _GRAINS, RoundPipeRunConfig
 from .convert import resolve_model
+from .distributed import parse_data_parallel
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
 from .causal_lm import CausalLM, causal_lm_forward, causal_lm_forward_backward
 from .hf import hf_inputs, module_weights
@@ -94,12 +95,19 @@ class RoundPipe(WeightsMixin):
         skip_nonfinite_steps: skip a step whose gradients hold inf or nan (default True; the
             weights and optimizer state stay, a warning is logged, :meth:`nonfinite_counts`
             counts it); with a grad scaler on, the scaler's rule decides.
+        data_parallel: data parallelism across processes (docs/several-machines.md): a
+            :class:`roundpipe.DataParallel` (``True``: ``DataParallel()``, torchrun's
+            environment; None (default) or ``False``: one process). Creating the model joins
+            the group (blocks until every rank has); before the first training call every rank
+            takes rank 0's weights (also those copied in from an ``nn.Module``); the gradients
+            are averaged over the ranks before each step. :attr:`rank` and :attr:`world_size`
+            are the engine's answers.
     """
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None,
                  pin_model="alloc", *, model_dtype=None, devices=None, seed=None,
                  stage_plan=None, gpu_memory_cap=None, grad_scaler=None,
-                 host_memory="standard", skip_nonfinite_steps=True):
+                 host_memory="standard", skip_nonfinite_steps=True, data_parallel=None):
         self._model = None  # first: close() must work if __init__ fails
         if name is None:
             name = call_site_name()
@@ -109,6 +117,7 @@ class RoundPipe(WeightsMixin):
             raise TypeError("model_run_config must be a RoundPipeRunConfig")
         pin_mode = parse_pin_model(pin_model)
         host_memory_mode = parse_host_memory(host_memory)
+        data_parallel = parse_data_parallel(data_parallel)
         source = resolve_model(model)
         options = dict(
             model_dtype=parse_dtype(model_dtype if model_dtype is not None else source.dtype,
@@ -117,7 +126,8 @@ class RoundPipe(WeightsMixin):
             host_memory_mode=host_memory_mode, seed=seed, name=str(name),
             devices=parse_devices(devices), gpu_memory_cap=gpu_memory_cap,
             grad_scaler=parse_grad_scaler(grad_scaler),
-            skip_nonfinite_steps=bool(skip_nonfinite_steps))
+            skip_nonfinite_steps=bool(skip_nonfinite_steps),
+            data_parallel=data_parallel.engine_values() if data_parallel else None)
         # The model's own plans (None: the planner's), restored after a call with a plan of its
         # own (execute_plan.check_call_plan).
         self._model_plan = model_stage_plan(stage_plan, model_run_config.execute_plan)
@@ -270,6 +280,17 @@ class RoundPipe(WeightsMixin):
     @property
     def num_devices(self):
         return self._model.count("num_devices")
+
+    @property
+    def rank(self) -> int:
+        """This process's data-parallel rank (0 without data parallelism), as the engine
+        joined (``rp_model_data_parallel``)."""
+        return self._model.data_parallel()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of data-parallel processes (1 without data parallelism)."""
+        return self._model.data_parallel()[1]
 
     @property
     def step_count(self):

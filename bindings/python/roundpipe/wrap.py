@@ -19,6 +19,7 @@ from ._args import call_site_name, parse_devices, parse_host_memory
 from ._hf_presets import peft_base_model, sequential_preset
 from .causal_lm import CausalLM
 from .config import RoundPipeRunConfig
+from .distributed import parse_data_parallel
 from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
 from .model import RoundPipe
@@ -127,9 +128,11 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
 
     The result forwards unknown attributes to `model` (``set_original_model``). `host_memory`
     is RoundPipe's (ValueError for other values, before anything is built); other keyword
-    arguments go to :class:`RoundPipe` (e.g. ``devices=("cpu", 2)``).
+    arguments go to :class:`RoundPipe` (e.g. ``devices=("cpu", 2)``, or ``data_parallel=``,
+    which needs the whole model to become one RoundPipe: RoundPipeUnsupportedError otherwise).
     """
     parse_host_memory(host_memory)  # fail before converting anything
+    data_parallel = parse_data_parallel(roundpipe_kwargs.get("data_parallel"))
     if name is None:
         name = call_site_name()
     if not isinstance(model, nn.Module):
@@ -139,7 +142,14 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
     override_config = dict(override_config or {})
     kwargs = dict(roundpipe_kwargs, host_memory=host_memory)
 
-    def build(module, config, suffix=""):
+    def build(module, config, suffix="", root=True):
+        if not root and data_parallel:
+            # each inner RoundPipe would join a group of its own, and an AutoRoundPipe only
+            # runs forward: data parallelism needs the whole model as one RoundPipe
+            raise RoundPipeUnsupportedError(
+                "data_parallel needs the whole model wrapped as one RoundPipe (an "
+                "nn.Sequential, a preset, or a module small enough to be one layer); %s "
+                "would become an AutoRoundPipe of several" % type(model).__name__)
         return RoundPipe(module, name=name + suffix, model_run_config=config, **kwargs)
 
     if use_sequential_preset is not False:
@@ -176,14 +186,14 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
         config = override_config.get(module, model_run_config)
         size = _bytes(itertools.chain(module.parameters(), module.buffers()))
         if isinstance(module, nn.Sequential):
-            rp = build(module, config, suffix)
+            rp = build(module, config, suffix, root=module is model)
         elif _has_own_forward(module) and (
                 _bytes(module.parameters(recurse=False)) >= lower_threshold
                 or size <= upper_threshold or not len(list(module.children()))):
             # (a module without children cannot be recursed into: it is one layer)
             if size < lower_threshold and module not in override_config:
                 config = RoundPipeRunConfig(num_microbatch=1)
-            rp = build(module, config, suffix)
+            rp = build(module, config, suffix, root=module is model)
         else:
             if isinstance(module, nn.ModuleList) or not _has_own_forward(module) \
                     or len(list(module.children())):

@@ -438,6 +438,24 @@ rp_model_options_set_devices(options, kind, num_devices) =
           (Ptr{rp_model_options}, Int32, Int32),
           options, kind, num_devices)
 
+# rp_status rp_model_options_set_data_parallel(rp_model_options *options, int32_t rank, int32_t world_size, const char *rendezvous, int64_t timeout_ms);
+rp_model_options_set_data_parallel(options, rank, world_size, rendezvous, timeout_ms) =
+    ccall((:rp_model_options_set_data_parallel, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Int32, Int32, Cstring, Int64),
+          options, rank, world_size, rendezvous, timeout_ms)
+
+# rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t global);
+rp_model_options_set_global_loss(options, global_) =
+    ccall((:rp_model_options_set_global_loss, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Int32),
+          options, global_)
+
+# rp_status rp_data_parallel_available(int32_t *out_available);
+rp_data_parallel_available(out_available) =
+    ccall((:rp_data_parallel_available, libroundpipe()), rp_status,
+          (Ptr{Int32},),
+          out_available)
+
 # rp_status rp_model_options_set_stage_plan(rp_model_options *options, const int32_t *layers_per_stage, size_t n);
 rp_model_options_set_stage_plan(options, layers_per_stage, n) =
     ccall((:rp_model_options_set_stage_plan, libroundpipe()), rp_status,
@@ -542,6 +560,12 @@ rp_model_gpu_memory_cap(out_bytes, model) =
     ccall((:rp_model_gpu_memory_cap, libroundpipe()), rp_status,
           (Ptr{Int64}, Ptr{rp_model}),
           out_bytes, model)
+
+# rp_status rp_model_data_parallel(int32_t *out_rank, int32_t *out_world_size, const rp_model *model);
+rp_model_data_parallel(out_rank, out_world_size, model) =
+    ccall((:rp_model_data_parallel, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Int32}, Ptr{rp_model}),
+          out_rank, out_world_size, model)
 
 # rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elements, const rp_model *model);
 rp_model_host_state_bytes(out_bytes, out_elements, model) =

@@ -3,7 +3,7 @@
 """
     Model(spec_json; seed=0, devices=:auto, num_devices=0, num_microbatch=nothing,
           run_config=nothing, model_dtype=nothing, optim_dtype=nothing, pin=nothing,
-          name=nothing, stage_plan=nothing, host_memory=nothing)
+          name=nothing, stage_plan=nothing, host_memory=nothing, data_parallel=nothing)
     Model(; hf_config=json_text, options...)
     Model(; hf_dir=path, options...)
 
@@ -20,6 +20,9 @@ AdamW moments in bf16 with stochastic rounding, one gradient buffer, one weight 
 are never stale); see `rp_host_memory_mode` in the header and `host_state_bytes`. In saving
 mode the gradients of a bf16 / f16 model are bfloat16: `param_grad` widens them to Float32,
 `with_param_grad` cannot view them.
+
+`data_parallel` is a `DataParallel` (or `true`: `DataParallel()`, torchrun's environment):
+this process trains as one rank of several, see `DataParallel` and `data_parallel(model)`.
 """
 mutable struct Model <: Handle
     ptr::Ptr{L.rp_model}
@@ -39,6 +42,47 @@ const _PIN_MODES = (alloc=L.RP_PIN_ALLOC, register=L.RP_PIN_REGISTER, off=L.RP_P
 const _HOST_MEMORY_MODES = (standard=L.RP_HOST_MEMORY_STANDARD, saving=L.RP_HOST_MEMORY_SAVING)
 
 """
+    DataParallel(; rank=-1, world_size=-1, rendezvous="env://", timeout=600.0, global_loss=false)
+
+Data parallelism across processes (`Model(...; data_parallel=DataParallel(...))`,
+docs/several-machines.md): this process is rank `rank` (-1: `ENV["RANK"]`) of `world_size`
+(-1: `ENV["WORLD_SIZE"]`; 0: off), each running its own model on its share of every batch; the
+ranks' gradients are averaged before every optimizer step. `rendezvous` is `"env://"`
+(`MASTER_ADDR` and `MASTER_PORT`, as torchrun sets them) or `"tcp://host:port"` (rank 0 hosts
+the store there). `timeout` (seconds) is how long a rank waits for the others, when the model is
+created (which blocks until every rank has joined, and gives every rank rank 0's initial
+weights) and in every collective: a rank that died or hung makes the others' calls throw
+`RoundPipeError` with `RP_ERR_IO`, then `RP_ERR_STATE` (create the model again on every rank).
+`global_loss`: each training call returns the mean loss over the ranks. The values are checked
+by `rp_model_options_set_data_parallel` when the model is made.
+"""
+struct DataParallel
+    rank::Int32
+    world_size::Int32
+    rendezvous::String
+    timeout::Float64
+    global_loss::Bool
+end
+
+DataParallel(; rank::Integer=-1, world_size::Integer=-1, rendezvous::AbstractString="env://",
+             timeout::Real=600.0, global_loss::Bool=false) =
+    DataParallel(Int32(rank), Int32(world_size), String(rendezvous), Float64(timeout),
+                 global_loss)
+
+function _set_data_parallel(opts, data_parallel)
+    (data_parallel === nothing || data_parallel === false) && return nothing
+    dp = data_parallel === true ? DataParallel() : data_parallel
+    dp isa DataParallel || _invalid("data_parallel must be a DataParallel, true or nothing")
+    (isfinite(dp.timeout) && dp.timeout > 0) ||
+        _invalid("data parallel timeout must be a positive number of seconds")
+    timeout_ms = max(Int64(1), round(Int64, min(dp.timeout * 1000, 9.0e18)))
+    @check L.rp_model_options_set_data_parallel(opts, dp.rank, dp.world_size, dp.rendezvous,
+                                                timeout_ms)
+    @check L.rp_model_options_set_global_loss(opts, Int32(dp.global_loss))
+    return nothing
+end
+
+"""
     _with_options(f; Model's keywords...) -> f(options::Ptr{rp_model_options})
 
 Model options made from `Model`'s keywords, given to `f`, freed when `f` returns.
@@ -46,7 +90,7 @@ Model options made from `Model`'s keywords, given to `f`, freed when `f` returns
 function _with_options(f; seed::Integer=0, devices::Symbol=:auto, num_devices::Integer=0,
                        num_microbatch=nothing, run_config=nothing, model_dtype=nothing,
                        optim_dtype=nothing, pin=nothing, name=nothing, stage_plan=nothing,
-                       host_memory=nothing)
+                       host_memory=nothing, data_parallel=nothing)
     _scoped(_create(L.rp_model_options, L.rp_model_options_create)) do opts
         @check L.rp_model_options_set_seed(opts, UInt64(seed))
         kind = _code(_DEVICE_KINDS, devices, "devices")
@@ -72,6 +116,7 @@ function _with_options(f; seed::Integer=0, devices::Symbol=:auto, num_devices::I
             plan = Int32[stage_plan...]
             @check L.rp_model_options_set_stage_plan(opts, plan, Csize_t(length(plan)))
         end
+        _set_data_parallel(opts, data_parallel)
         return f(opts)
     end
 end
@@ -186,6 +231,25 @@ function host_state_bytes(m::Model)
     @check L.rp_model_host_state_bytes(b, n, _ptr(m))
     return (bytes=Int(b[]), elements=Int(n[]),
             bytes_per_param=n[] == 0 ? 0.0 : b[] / n[])
+end
+
+"""
+    data_parallel(model) -> (rank=..., world_size=...)
+
+This process's data-parallel rank and the number of ranks, as the engine joined
+(`rp_model_data_parallel`; `(rank=0, world_size=1)` without data parallelism).
+"""
+function data_parallel(m::Model)
+    rank, world_size = Ref{Int32}(0), Ref{Int32}(0)
+    @check L.rp_model_data_parallel(rank, world_size, _ptr(m))
+    return (rank=Int(rank[]), world_size=Int(world_size[]))
+end
+
+"Whether the loaded library can do data parallelism (built with c10d's Gloo support)."
+function data_parallel_available()
+    available = Ref{Int32}(0)
+    @check L.rp_data_parallel_available(available)
+    return available[] != 0
 end
 
 "

@@ -271,6 +271,24 @@ end
     @test_throws RoundPipeError Model(Example.SPEC; devices=:cpu, host_memory=:low)
 end
 
+# --- Data parallelism (mirrors bindings/rust/roundpipe/tests/data_parallel.rs) --------------
+
+@testset "data parallelism: off is rank 0 of 1; out-of-range settings are invalid" begin
+    Model(Example.SPEC; devices=:cpu, num_devices=1) do m
+        @test data_parallel(m) == (rank=0, world_size=1)
+    end
+    Model(Example.SPEC; devices=:cpu, num_devices=1,
+          data_parallel=DataParallel(; world_size=0)) do m
+        @test data_parallel(m) == (rank=0, world_size=1)
+    end
+    for dp in (DataParallel(; rank=0, world_size=-2), DataParallel(; rank=2, world_size=2),
+               DataParallel(; timeout=0))
+        e = try Model(Example.SPEC; devices=:cpu, data_parallel=dp); nothing catch err; err end
+        @test e isa RoundPipeError && e.status == L.RP_ERR_INVALID_ARGUMENT
+    end
+    @test data_parallel_available() isa Bool
+end
+
 # --- What the engine decided, asked (mirrors bindings/rust/roundpipe/tests/queries.rs) ------
 
 @testset "stage plan: the explicit plan, else one covering every layer once" begin

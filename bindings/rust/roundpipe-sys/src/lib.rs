@@ -390,6 +390,18 @@ extern "C" {
         kind: i32,
         num_devices: i32,
     ) -> rp_status;
+    pub fn rp_model_options_set_data_parallel(
+        options: *mut rp_model_options,
+        rank: i32,
+        world_size: i32,
+        rendezvous: *const c_char,
+        timeout_ms: i64,
+    ) -> rp_status;
+    pub fn rp_model_options_set_global_loss(
+        options: *mut rp_model_options,
+        global: i32,
+    ) -> rp_status;
+    pub fn rp_data_parallel_available(out_available: *mut i32) -> rp_status;
     pub fn rp_model_options_set_stage_plan(
         options: *mut rp_model_options,
         layers_per_stage: *const i32,
@@ -456,6 +468,11 @@ extern "C" {
         model: *const rp_model,
     ) -> rp_status;
     pub fn rp_model_gpu_memory_cap(out_bytes: *mut i64, model: *const rp_model) -> rp_status;
+    pub fn rp_model_data_parallel(
+        out_rank: *mut i32,
+        out_world_size: *mut i32,
+        model: *const rp_model,
+    ) -> rp_status;
     pub fn rp_model_host_state_bytes(
         out_bytes: *mut i64,
         out_elements: *mut i64,

@@ -2,6 +2,7 @@
 
 use std::ffi::CString;
 use std::ptr::NonNull;
+use std::time::Duration;
 
 use roundpipe_sys as sys;
 
@@ -331,6 +332,47 @@ impl ModelOptions {
     pub fn set_name(&mut self, name: &str) -> Result<&mut Self> {
         let c = CString::new(name).map_err(|_| Error::invalid("name contains a NUL byte"))?;
         check(unsafe { sys::rp_model_options_set_name(self.ptr.as_ptr(), c.as_ptr()) })?;
+        Ok(self)
+    }
+
+    /// Data parallelism across processes (`rp_model_options_set_data_parallel`,
+    /// docs/several-machines.md): this process is rank `rank` of `world_size`, each running its
+    /// own model on its share of every batch; the ranks' gradients are averaged before every
+    /// optimizer step. [`Model::new`](crate::Model::new) joins the group (blocking until every
+    /// rank has) and gives every rank rank 0's initial weights.
+    ///
+    /// `rank`: 0 .. world_size - 1, or -1: `$RANK`. `world_size`: >= 1, -1: `$WORLD_SIZE`, 0:
+    /// off (the default). `rendezvous`: `"env://"` (`$MASTER_ADDR` and `$MASTER_PORT`, as
+    /// torchrun sets them; `None` means this) or `"tcp://host:port"` (rank 0 hosts the store).
+    /// `timeout`: how long a rank waits for the others, at creation and in every collective
+    /// (rounded up to whole milliseconds; zero: 10 minutes). A rank that dies or times out makes
+    /// the others' calls fail with [`Status::Io`](crate::Status::Io), afterwards
+    /// [`Status::State`](crate::Status::State): create the model again on every rank.
+    /// Errors: [`Status::InvalidArgument`](crate::Status::InvalidArgument) for values out of
+    /// range (the environment and the address are checked by `Model::new`).
+    pub fn set_data_parallel(
+        &mut self,
+        rank: i32,
+        world_size: i32,
+        rendezvous: Option<&str>,
+        timeout: Duration,
+    ) -> Result<&mut Self> {
+        let rendezvous = rendezvous
+            .map(|r| CString::new(r).map_err(|_| Error::invalid("rendezvous contains a NUL byte")))
+            .transpose()?;
+        let p = rendezvous.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+        let nanos = timeout.as_nanos();
+        let millis = i64::try_from((nanos + 999_999) / 1_000_000).unwrap_or(i64::MAX);
+        check(unsafe {
+            sys::rp_model_options_set_data_parallel(self.ptr.as_ptr(), rank, world_size, p, millis)
+        })?;
+        Ok(self)
+    }
+
+    /// Data parallel only: report each training call's loss as the mean over the ranks (one
+    /// more small collective per call); `false` (default): this rank's own loss.
+    pub fn set_global_loss(&mut self, global: bool) -> Result<&mut Self> {
+        check(unsafe { sys::rp_model_options_set_global_loss(self.ptr.as_ptr(), global as i32) })?;
         Ok(self)
     }
 

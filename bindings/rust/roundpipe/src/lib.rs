@@ -114,6 +114,15 @@ pub(crate) fn ensure_abi() -> Result<()> {
         .clone()
 }
 
+/// Whether the loaded library can do data parallelism across processes (it was built with
+/// c10d's Gloo support; `rp_data_parallel_available`), see
+/// [`ModelOptions::set_data_parallel`].
+pub fn data_parallel_available() -> Result<bool> {
+    let mut available = 0;
+    error::check(unsafe { sys::rp_data_parallel_available(&mut available) })?;
+    Ok(available != 0)
+}
+
 /// Number of CUDA GPUs visible to this process (0 without a GPU or a CUDA build).
 pub fn cuda_device_count() -> Result<i32> {
     let mut n = 0;

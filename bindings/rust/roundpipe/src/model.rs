@@ -415,6 +415,16 @@ impl Model {
         Ok(HostStateBytes { bytes, elements })
     }
 
+    /// This process's data-parallel rank and the number of ranks, as the engine joined
+    /// (`rp_model_data_parallel`; `(0, 1)` without data parallelism).
+    pub fn data_parallel(&self) -> Result<(i32, i32)> {
+        let (mut rank, mut world_size) = (0i32, 0i32);
+        check(unsafe {
+            sys::rp_model_data_parallel(&mut rank, &mut world_size, self.ptr.as_ptr())
+        })?;
+        Ok((rank, world_size))
+    }
+
     /// Timing record of the model's last [`forward`](Self::forward) or
     /// [`forward_backward`](Self::forward_backward), as Chrome trace JSON (open it in
     /// chrome://tracing or Perfetto): one process per device and one for the host, one thread
