@@ -10,8 +10,9 @@
 # wheel's place in python3's site-packages. RP_GPU_SANITIZE=0 skips that step;
 # RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
 # 1800) bounds each tool's run; RP_GPU_SANITIZE_TOOLS (default "memcheck racecheck") picks the
-# tools. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu),
-# leaves steps out, so that one device call can spend its time on the sanitizer alone.
+# tools. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu,
+# data_parallel_gpu), leaves steps out, so that one device call can spend its time on the
+# sanitizer alone.
 # RP_GPU_SANITIZE_EXCLUDE, a compute-sanitizer kernel filter (e.g. "regex=gemm|nvjet"), leaves
 # matching kernels uninstrumented: racecheck runs the transformer tests' vendor GEMM and attention
 # kernels (cuBLAS, cuDNN, flash; closed source, and the bulk of the instrumented time) for hours.
@@ -54,6 +55,13 @@ step gpu_tests ctest --test-dir "$build" -L gpu --output-on-failure
 # machines lack; CI runs them.
 step cpu_tests ctest --test-dir "$build" -L cpu -E '^(rust|abi_gate|install_.*)$' -j8 --output-on-failure
 step example_gpu "$build/examples/c/train_mlp" --device auto
+# Data parallelism on the GPUs (NCCL): two ranks, one GPU each, against one process on the whole
+# batch. Needs two GPUs (and the gloo headers, e.g. in .gpu-deps/include/gloo).
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  step data_parallel_gpu env RP_TEST_DEVICE=cuda "$build/tests/test_data_parallel"
+else
+  echo "data_parallel_gpu: skipped (fewer than 2 GPUs)"
+fi
 
 # The gpu tests under compute-sanitizer, once per tool. Each process writes its own report
 # (sanitizer_<tool>.<pid>.txt); a test with an error exits 1 (--error-exitcode), so ctest's own
