@@ -18,8 +18,10 @@
  * its own GPU (CUDA_VISIBLE_DEVICES) and the gradients are averaged on the GPUs with NCCL; there
  * every rank must run the same plan, so both use rank 0's.
  *
- * Also: a rank that dies in the middle of a call makes the other rank's call fail with RP_ERR_IO
- * within the timeout, and every later call with RP_ERR_STATE; bad options are refused.
+ * Also: inf or nan in one rank's gradients makes every rank skip that step (the gradients are
+ * averaged, so the others' would carry it too; the skip decision must agree, or the ranks'
+ * weights part); a rank that dies in the middle of a call makes the other rank's call fail with
+ * RP_ERR_IO within the timeout, and every later call with RP_ERR_STATE; bad options are refused.
  */
 #include "test_support.h"
 
@@ -178,6 +180,50 @@ static int worker(const char *mode, int rank, int port, const char *out) {
         rp_model_destroy(model);
         return 0;
     }
+    if (strcmp(mode, "nan") == 0) {
+        /* Rank 1's first call has a nan label; both ranks must skip that step and not the next. */
+        rp_model *model = dp_model(rank, port, PLAN_RANK0, 2, 60000);
+        rp_loss *loss = mean_mse(2);
+        rp_optimizer *opt = NULL;
+        TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+        double l = 0.0;
+        const float saved = Y[4 * OUT];
+        if (rank == 1)
+            Y[4 * OUT] = NAN; /* row 4: rank 1's first row */
+        TS_OK(fb_rows(&l, model, rank * 4, 4, loss));
+        TS_OK(rp_step(model, opt, 0));
+        TS_OK(rp_synchronize(model));
+        Y[4 * OUT] = saved;
+        int64_t skipped_first = -1, skipped_second = -1;
+        double scale = 0;
+        TS_OK(rp_model_grad_scale(&scale, &skipped_first, model));
+        ts_params *after_first = ts_masters(model);
+        TS_OK(fb_rows(&l, model, rank * 4, 4, loss));
+        TS_OK(rp_step(model, opt, 0));
+        TS_OK(rp_synchronize(model));
+        TS_OK(rp_model_grad_scale(&scale, &skipped_second, model));
+        ts_params *after_second = ts_masters(model);
+        /* the first step changed nothing (checked against the seed-5 weights by the test), the
+         * second changed the weights */
+        int changed = 0;
+        for (size_t i = 0; i < after_first->count; ++i)
+            changed |= memcmp(after_first->data[i], after_second->data[i],
+                              sizeof(float) * (size_t)after_first->numel[i]) != 0;
+        FILE *f = fopen(out, "w");
+        fprintf(f, "%lld %lld %d\n", (long long)skipped_first, (long long)skipped_second, changed);
+        fclose(f);
+        char *weights = malloc(strlen(out) + 5);
+        sprintf(weights, "%s.bin", out);
+        double zeros[STEPS] = {0};
+        write_results(weights, zeros, after_first);
+        free(weights);
+        ts_params_free(after_first);
+        ts_params_free(after_second);
+        rp_optimizer_destroy(opt);
+        rp_loss_destroy(loss);
+        rp_model_destroy(model);
+        return 0;
+    }
     if (strcmp(mode, "die") == 0) {
         const int64_t timeout_ms = 5000;
         rp_model *model = dp_model(rank, port, PLAN_RANK0, 2, timeout_ms);
@@ -307,6 +353,45 @@ static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(
     free(dir);
 }
 
+static void nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step(void **state) {
+    (void)state;
+    char *dir = ts_tempdir();
+    char *out0 = temp_file(dir, "rank0.txt"), *out1 = temp_file(dir, "rank1.txt");
+    const int port = free_port();
+    pid_t p0 = spawn_worker("nan", 0, port, out0), p1 = spawn_worker("nan", 1, port, out1);
+    assert_int_equal(wait_worker(p0, 240), 0);
+    assert_int_equal(wait_worker(p1, 240), 0);
+    rp_model *initial = ts_model(SPEC, 5, 2, PLAN_RANK0, 2); /* rank 0's seed: the weights */
+    ts_params *w_initial = ts_masters(initial);
+    for (int r = 0; r < 2; ++r) {
+        const char *out = r == 0 ? out0 : out1;
+        FILE *f = fopen(out, "r");
+        assert_non_null(f);
+        long long first = -1, second = -1;
+        int changed = -1;
+        assert_int_equal(fscanf(f, "%lld %lld %d", &first, &second, &changed), 3);
+        fclose(f);
+        if (first != 1 || second != 1 || changed != 1) {
+            print_error("rank %d: skipped %lld after the nan step, %lld after the next; the next "
+                        "step %s the weights\n", r, first, second, changed ? "changed" : "kept");
+            fail();
+        }
+        char *weights = temp_file(dir, r == 0 ? "rank0.txt.bin" : "rank1.txt.bin");
+        ts_params *w = ts_masters(initial); /* shapes; overwritten */
+        double zeros[STEPS];
+        read_results(weights, zeros, w);
+        ts_assert_params_equal(w, w_initial); /* the skipped step left rank 0's weights */
+        ts_params_free(w);
+        free(weights);
+    }
+    ts_params_free(w_initial);
+    rp_model_destroy(initial);
+    ts_rmdir(dir);
+    free(out0);
+    free(out1);
+    free(dir);
+}
+
 static void a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout(void **state) {
     (void)state;
     if (ts_device_kind() == RP_DEVICE_CUDA) {
@@ -382,6 +467,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(bad_data_parallel_options_are_refused),
         cmocka_unit_test(two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch),
+        cmocka_unit_test(nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step),
         cmocka_unit_test(a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout),
     };
     return cmocka_run_group_tests_name("data_parallel", tests, NULL, NULL);
