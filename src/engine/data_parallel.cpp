@@ -183,7 +183,8 @@ template <class F> void DataParallel::collective(const char *what, F &&run) {
 }
 
 void DataParallel::broadcast(const std::vector<at::Tensor> &tensors) {
-    // One collective per tensor keeps the memory bounded; it runs once, at creation.
+    // One collective per tensor keeps the memory bounded; it runs once, before the first
+    // training call.
     for (const at::Tensor &t : tensors) {
         std::vector<at::Tensor> one{t};
         collective("a broadcast of the initial weights",
