@@ -436,13 +436,15 @@ RP_API rp_status rp_model_options_set_devices(rp_model_options *options, int32_t
 /**
  * Data parallelism across processes (docs/several-machines.md): this process is rank `rank` of
  * `world_size`, each running its own model on its share of every batch; before every optimizer
- * step the ranks' gradients are averaged (over libtorch's c10d with Gloo, on the host form of the
- * gradients, bucket by bucket while the pipeline still runs). rp_model_create joins the group
- * (it blocks until every rank has joined, at most `timeout_ms`) and gives every rank rank 0's
- * initial weights. Checkpoint saves write on rank 0 only; loads read on every rank. A rank whose
- * collective does not complete within `timeout_ms` (another rank died, hung or failed its call)
- * fails its call with RP_ERR_IO; the group is then unusable (RP_ERR_STATE) and the model must be
- * created again on every rank.
+ * step the ranks' gradients are averaged over libtorch's c10d while the pipeline still runs (GPU
+ * models: NCCL, in device memory, and every rank must run the same stage plan on as many GPUs,
+ * which each training call checks; CPU devices: Gloo, on the host). rp_model_create joins the
+ * group (it blocks until every rank has joined, at most `timeout_ms`); before the first training
+ * call every rank takes rank 0's weights. Checkpoint saves write on rank 0 only; loads read on
+ * every rank. On CPU devices a rank whose collective does not complete within `timeout_ms`
+ * (another rank died, hung or failed its call) fails its call with RP_ERR_IO; the group is then
+ * unusable (RP_ERR_STATE) and the model must be created again on every rank. On GPUs such a
+ * call does not yet return (the docs say what is known).
  * @param rank 0 .. world_size - 1, or -1: $RANK.
  * @param world_size >= 1, or -1: $WORLD_SIZE; 0 turns data parallelism off (the default).
  * @param rendezvous "env://" ($MASTER_ADDR and $MASTER_PORT, as torchrun sets them; NULL means

@@ -198,17 +198,18 @@ void DataParallel::sum(at::Tensor &flat) {
 }
 
 double DataParallel::mean(double value) {
-    std::vector<at::Tensor> one{at::full({1}, value, at::kDouble)};
-    collective("a loss all-reduce", [&](c10d::ProcessGroupGloo &g) { return g.allreduce(one); });
-    return one[0].item<double>() / world_size_;
+    std::vector<double> one{value};
+    average(one);
+    return one[0];
 }
 
 void DataParallel::average(std::vector<double> &values) {
     std::vector<at::Tensor> one{at::tensor(values, at::kDouble)};
-    collective("an all-reduce of measured layer times",
+    collective("an all-reduce of host values (losses, layer times)",
                [&](c10d::ProcessGroupGloo &g) { return g.allreduce(one); });
+    const double *sums = one[0].data_ptr<double>();
     for (size_t i = 0; i < values.size(); ++i)
-        values[i] = one[0][static_cast<int64_t>(i)].item<double>() / world_size_;
+        values[i] = sums[i] / world_size_;
 }
 
 void DataParallel::check_same(uint64_t fingerprint, const std::string &what) {
@@ -294,8 +295,8 @@ std::unique_ptr<DataParallel> DataParallel::join(const DataParallelOptions &, co
 }
 void DataParallel::broadcast(const std::vector<at::Tensor> &) {}
 void DataParallel::sum(at::Tensor &) {}
-double DataParallel::mean(double value) { return value; }
 void DataParallel::average(std::vector<double> &) {}
+double DataParallel::mean(double value) { return value; }
 void DataParallel::check_same(uint64_t, const std::string &) {}
 std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &, const at::Tensor &) {
     return nullptr;

@@ -33,10 +33,7 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
     error_ = nullptr;
     if (dp_) {
         dp_->check_usable();
-        std::vector<std::vector<int64_t>> shapes;
-        for (size_t p = 0; p < store_.size(); ++p)
-            shapes.push_back(store_.at(p).master.sizes().vec());
-        reducer_.begin_call(jobs_per_param, shapes);
+        reducer_.begin_call(jobs_per_param);
     }
 }
 
@@ -147,6 +144,7 @@ void GradAccumulator::apply(const Item &item) {
         sum += c.item<double>();
     if (!std::isfinite(sum) || item.nonfinite)
         flags_.mark_nonfinite();
+    const double factor = factor_ * item.scale;
     for (const auto &g : item.grads) {
         flags_.mark(g.first);
         at::Tensor &dst = store_.at(g.first).grad;
@@ -155,14 +153,19 @@ void GradAccumulator::apply(const Item &item) {
             std::lock_guard<std::mutex> lock(mutex_);
             first = buffers_zero_ && touched_.insert(g.first).second;
         }
+        const bool same_dtype = g.second.scalar_type() == dst.scalar_type();
         if (first) { // the buffer is zero: write instead of read-add-write
-            dst.copy_(g.second);
-            if (factor_ != 1.0)
-                dst.mul_(factor_);
-        } else if (g.second.scalar_type() == dst.scalar_type()) {
-            dst.add_(g.second, factor_);
+            if (same_dtype && factor != 1.0) {
+                at::mul_out(dst, g.second, factor); // one pass
+            } else {
+                dst.copy_(g.second); // widened here: a low-precision product would round
+                if (factor != 1.0)
+                    dst.mul_(factor);
+            }
+        } else if (same_dtype) {
+            dst.add_(g.second, factor);
         } else {
-            add_widened(dst, g.second, factor_);
+            add_widened(dst, g.second, factor);
         }
     }
 }
@@ -175,7 +178,7 @@ void GradAccumulator::reduce_one(std::unique_lock<std::mutex> &lock) {
     GradientReducer::Reduced reduced;
     try {
         HostSpan span(timeline_, "gradients", "all-reduce");
-        reduced = GradientReducer::reduce(bucket, *dp_);
+        reduced = reducer_.reduce(bucket, *dp_);
     } catch (...) {
         error = std::current_exception();
     }
@@ -188,6 +191,7 @@ void GradAccumulator::reduce_one(std::unique_lock<std::mutex> &lock) {
     } else {
         Item item;
         item.grads = std::move(reduced.grads);
+        item.scale = reduced.scale;
         item.nonfinite = reduced.nonfinite;
         enqueue(std::move(item));
     }

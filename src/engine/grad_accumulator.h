@@ -59,6 +59,7 @@ class GradAccumulator {
         std::vector<at::Tensor> checks;
         Transfer ready;
         DeviceLane *lane = nullptr; // null: nothing to wait for
+        double scale = 1.0;         // times the call's factor (a reduced bucket: 1 / ranks)
         bool nonfinite = false;     // known without the checks (a reduced bucket)
     };
     void loop();
@@ -79,7 +80,7 @@ class GradAccumulator {
     std::unordered_set<size_t> touched_; // parameters written during this call
     std::exception_ptr error_;
     DataParallel *dp_ = nullptr;
-    GradientReducer reducer_;
+    GradientReducer reducer_{store_};
     bool reducing_ = false; // a bucket is off the lock, being reduced
     bool stopping_ = false;
     std::thread thread_;

@@ -8,19 +8,8 @@
 
 namespace rp {
 
-namespace {
-int64_t numel_of(const std::vector<int64_t> &shape) {
-    int64_t n = 1;
-    for (int64_t d : shape)
-        n *= d;
-    return n;
-}
-} // namespace
-
-void GradientReducer::begin_call(const std::vector<int> &jobs_per_param,
-                                 const std::vector<std::vector<int64_t>> &shapes) {
+void GradientReducer::begin_call(const std::vector<int> &jobs_per_param) {
     pending_ = jobs_per_param;
-    shapes_ = shapes;
     parts_.assign(pending_.size(), {});
     sources_.assign(pending_.size(), {});
     buckets_.clear();
@@ -34,7 +23,7 @@ void GradientReducer::begin_call(const std::vector<int> &jobs_per_param,
             bytes = 0;
         }
         buckets_.back().push_back(p);
-        bytes += numel_of(shapes_[p]) * 4;
+        bytes += store_.at(p).master.numel() * 4;
     }
 }
 
@@ -69,7 +58,6 @@ GradientReducer::Bucket GradientReducer::take_next() {
     Bucket b;
     b.params = buckets_[next_++];
     for (size_t p : b.params) {
-        b.shapes.push_back(shapes_[p]);
         b.parts.push_back(std::move(parts_[p]));
         for (auto &d : sources_[p]) {
             if (std::find(b.downloads.begin(), b.downloads.end(), d) == b.downloads.end())
@@ -84,22 +72,22 @@ GradientReducer::Bucket GradientReducer::take_next() {
     return b;
 }
 
-GradientReducer::Reduced GradientReducer::reduce(const Bucket &b, DataParallel &dp) {
+GradientReducer::Reduced GradientReducer::reduce(const Bucket &b, DataParallel &dp) const {
     for (const auto &d : b.downloads)
         d->lane->wait(d->ready); // the download has landed
     double check = 0.0;
     for (const at::Tensor &c : b.checks)
         check += c.item<double>();
     int64_t total = 0;
-    for (const auto &shape : b.shapes)
-        total += numel_of(shape);
+    for (size_t p : b.params)
+        total += store_.at(p).master.numel();
     const int64_t count = static_cast<int64_t>(b.params.size());
     // [gradients..., one presence per parameter, the non-finite flag]
     at::Tensor flat = at::empty({total + count + 1}, at::kFloat);
     float *presence = flat.data_ptr<float>() + total;
     int64_t offset = 0;
     for (int64_t i = 0; i < count; ++i) {
-        const int64_t n = numel_of(b.shapes[i]);
+        const int64_t n = store_.at(b.params[i]).master.numel();
         at::Tensor slot = flat.narrow(0, offset, n);
         const auto &parts = b.parts[i];
         if (parts.empty())
@@ -117,13 +105,14 @@ GradientReducer::Reduced GradientReducer::reduce(const Bucket &b, DataParallel &
     dp.sum(flat);
     Reduced r;
     r.nonfinite = !std::isfinite(presence[count]);
-    flat.narrow(0, 0, total).mul_(1.0 / dp.world_size());
+    r.scale = 1.0 / dp.world_size();
     offset = 0;
     for (int64_t i = 0; i < count; ++i) {
-        const int64_t n = numel_of(b.shapes[i]);
+        const at::Tensor &master = store_.at(b.params[i]).master;
         if (presence[i] > 0.0f) // some rank had a gradient for it
-            r.grads.emplace_back(b.params[i], flat.narrow(0, offset, n).view(b.shapes[i]));
-        offset += n;
+            r.grads.emplace_back(b.params[i],
+                                 flat.narrow(0, offset, master.numel()).view(master.sizes()));
+        offset += master.numel();
     }
     return r;
 }

@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 
 #include "engine/device_lane.h"
+#include "engine/param_store.h"
 
 namespace rp {
 
@@ -42,22 +43,25 @@ class GradientReducer {
     // that the first bucket starts early.
     static constexpr int64_t kBucketBytes = int64_t{25} << 20;
 
+    explicit GradientReducer(const ParamStore &store) : store_(store) {}
+
     struct Bucket {
         std::vector<size_t> params;
-        std::vector<std::vector<int64_t>> shapes;
         std::vector<std::vector<at::Tensor>> parts;          // per param, this rank's gradients
         std::vector<std::shared_ptr<GradientDownload>> downloads; // to wait for
         std::vector<at::Tensor> checks; // of the downloads this bucket is the first to use
     };
     struct Reduced {
-        std::vector<std::pair<size_t, at::Tensor>> grads; // fp32, averaged over the ranks
+        // fp32 sums over the ranks; times `scale` (1 / ranks) they are the averages (left to
+        // the accumulator, which multiplies every contribution anyway)
+        std::vector<std::pair<size_t, at::Tensor>> grads;
+        double scale = 1.0;
         bool nonfinite = false;
     };
 
     // A training call starts. `jobs_per_param[p]`: how many of its jobs deliver parameter p's
-    // gradient (0: p is not trained in this call). `shapes[p]`: its shape.
-    void begin_call(const std::vector<int> &jobs_per_param,
-                    const std::vector<std::vector<int64_t>> &shapes);
+    // gradient (0: p is not trained in this call).
+    void begin_call(const std::vector<int> &jobs_per_param);
     void receive(std::shared_ptr<GradientDownload> download);
     // A job has delivered everything it will for these parameters (repeats allowed).
     void job_done(const std::vector<size_t> &params);
@@ -67,11 +71,11 @@ class GradientReducer {
     Bucket take_next();
 
     // Off the lock: waits for the bucket's downloads, then sums over the ranks.
-    static Reduced reduce(const Bucket &bucket, DataParallel &dp);
+    Reduced reduce(const Bucket &bucket, DataParallel &dp) const;
 
   private:
+    const ParamStore &store_; // parameter shapes (they never change)
     std::vector<std::vector<size_t>> buckets_;
-    std::vector<std::vector<int64_t>> shapes_;
     size_t next_ = 0;
     std::vector<int> pending_;                   // per param: jobs yet to finish
     std::vector<std::vector<at::Tensor>> parts_; // per param: this call's contributions

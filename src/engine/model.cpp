@@ -283,26 +283,9 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.loss = &scaled;
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
-    ctx.gradients = &gradients_;
-    gate_call(ctx);
-    prepare_device_reduction(ctx);
-    const bool buffers_were_zero = grads_zero_;
-    gradients_.begin_call(grads_zero_, 1.0 / scale,
-                          dp_ ? gradient_jobs_per_param(ctx) : std::vector<int>{});
-    phase.emplace(timeline_, "caller", "pipeline");
-    try {
-        pipeline_.run(ctx);
-    } catch (...) {
-        gradients_.end_call(false); // a failed call leaves no trace in the gradients
-        if (ctx.device_reduction)
-            dp_->finish_device_collectives(/*report_failure=*/false); // the call's error wins
-        throw;
-    }
-    phase.emplace(timeline_, "caller", "gradient drain");
-    gradients_.end_call(true);
-    finish_device_reduction(ctx, buffers_were_zero);
+    phase.reset();
+    run_training_pipeline(ctx, scale, nullptr);
     phase.emplace(timeline_, "caller", "loss");
-    grads_zero_ = false;
     // The first call's times are mostly one-time costs (library initialisation, kernel
     // autotuning, allocator growth) and fall on whichever stages ran first on each device: on
     // H200s they made Qwen3-1.7B's tail look 14x slower than it is (bench/RESULTS.md, round 6).
@@ -338,23 +321,45 @@ void Model::share_initial_weights() {
     initial_weights_shared_ = true;
 }
 
-void Model::prepare_device_reduction(CallContext &ctx) {
-    if (!dp_ || !dp_->reduces_on_device())
-        return;
-    dp_->check_same(job_layout_fingerprint(ctx, num_devices()), "the stages of this call");
-    ctx.device_reduction = dp_.get();
-}
-
-void Model::finish_device_reduction(const CallContext &ctx, bool buffers_were_zero) {
-    if (!ctx.device_reduction)
-        return;
-    try {
-        dp_->finish_device_collectives(/*report_failure=*/true);
-    } catch (...) {
-        if (buffers_were_zero)
-            store_.zero_grads();
-        throw;
+void Model::run_training_pipeline(CallContext &ctx, double scale,
+                                  const std::function<void()> &after_run) {
+    ctx.gradients = &gradients_;
+    gate_call(ctx);
+    // Data parallel on GPUs: the ranks' jobs meet pairwise in per-GPU collectives, so every
+    // rank must run this call's job layout; on the host the reducer needs each parameter's jobs.
+    const bool on_device = dp_ && dp_->reduces_on_device();
+    if (on_device) {
+        dp_->check_same(job_layout_fingerprint(ctx, num_devices()), "the stages of this call");
+        ctx.device_reduction = dp_.get();
     }
+    const bool buffers_were_zero = grads_zero_;
+    gradients_.begin_call(grads_zero_, 1.0 / scale,
+                          dp_ && !on_device ? gradient_jobs_per_param(ctx) : std::vector<int>{});
+    {
+        HostSpan span(timeline_, "caller", "pipeline");
+        try {
+            pipeline_.run(ctx);
+            if (after_run)
+                after_run();
+        } catch (...) {
+            gradients_.end_call(false); // a failed call leaves no trace in the gradients
+            if (on_device)
+                dp_->finish_device_collectives(/*report_failure=*/false); // the call's error wins
+            throw;
+        }
+    }
+    HostSpan drain(timeline_, "caller", "gradient drain");
+    gradients_.end_call(true);
+    if (on_device) {
+        try {
+            dp_->finish_device_collectives(/*report_failure=*/true);
+        } catch (...) {
+            if (buffers_were_zero) // the averages that arrived may be garbage: no trace
+                store_.zero_grads();
+            throw;
+        }
+    }
+    grads_zero_ = false;
 }
 
 double Model::reported_loss(double local) {

@@ -2,6 +2,7 @@
 // thread, and the training-loop semantics that tie them (docs/semantics.md).
 #pragma once
 #include <atomic>
+#include <functional>
 #include <map>
 #include <tuple>
 #include <memory>
@@ -209,12 +210,11 @@ class Model {
     // buffers), whatever its seed and whatever the caller wrote into them since creation (a
     // binding copies a framework module's weights in after rp_model_create).
     void share_initial_weights();
-    // Data parallel on the GPUs: the ranks agree on the call's job layout, and the call's
-    // gradients are averaged on the devices.
-    void prepare_device_reduction(CallContext &ctx);
-    // After a call's pipeline: a failed device collective fails the call; `buffers_were_zero`:
-    // its gradients then leave no trace.
-    void finish_device_reduction(const CallContext &ctx, bool buffers_were_zero);
+    // Runs a training call's pipeline (gated, its gradients accumulated and, data parallel,
+    // averaged over the ranks), then `after_run` (may be empty); if either fails, the gradients
+    // keep no trace of the call.
+    void run_training_pipeline(CallContext &ctx, double scale,
+                               const std::function<void()> &after_run);
     bool initial_weights_shared_ = false;
 
     std::string name_;

@@ -189,29 +189,14 @@ void Model::backward(const std::vector<at::Tensor> &output_grads,
     ctx.grain = p->grain;
     ctx.stage_inputs = std::move(p->stage_inputs);
     ctx.output_grads = std::move(grads);
-    ctx.gradients = &gradients_;
     ctx.want_input_grads = input_grads != nullptr;
     if (input_grads)
         ctx.input_grads.assign(p->microbatches.inputs.size(), {});
-    gate_call(ctx);
-    prepare_device_reduction(ctx);
-    const bool buffers_were_zero = grads_zero_;
-    gradients_.begin_call(grads_zero_, 1.0 / scale,
-                          dp_ ? gradient_jobs_per_param(ctx) : std::vector<int>{});
     std::vector<at::Tensor> merged;
-    try {
-        pipeline_.run(ctx);
-        if (input_grads)
+    run_training_pipeline(ctx, scale, [&] {
+        if (input_grads) // a failure here must also leave the gradients untouched
             merged = merge_input_grads(*p, std::move(ctx.input_grads), 1.0 / scale);
-    } catch (...) {
-        gradients_.end_call(false);
-        if (ctx.device_reduction)
-            dp_->finish_device_collectives(/*report_failure=*/false); // the call's error wins
-        throw;
-    }
-    gradients_.end_call(true);
-    finish_device_reduction(ctx, buffers_were_zero);
-    grads_zero_ = false;
+    });
     if (input_grads)
         *input_grads = std::move(merged);
 }

@@ -28,19 +28,13 @@ Error stage_out_of_memory(const Stage &st, JobKind kind, size_t stage, const at:
 } // namespace
 
 void Pipeline::run(CallContext &ctx) {
-    const size_t S = ctx.stages.size();
-    const size_t B = ctx.backward_stages.size();
     const size_t M = ctx.num_microbatches();
-    // Forward only: one job per stage. Fused: S - 1 forward jobs, the tail (the last of both
-    // stage lists), B - 1 backward jobs. BackwardOnly: B backward jobs. Backward jobs go deepest
-    // stage first, on the stage inputs the forward kept.
-    const bool fused = ctx.kind == CallKind::Fused;
-    const bool backward_only = ctx.kind == CallKind::BackwardOnly;
-    const size_t num_jobs = fused ? S + B - 1 : backward_only ? B : S;
+    const std::vector<CallJob> jobs = call_jobs(ctx);
+    const size_t num_jobs = jobs.size();
     CallState state(num_jobs, M);
     ctx.state = &state;
-    if (!backward_only)
-        ctx.stage_inputs.assign(B, std::vector<Transfer>(M));
+    if (ctx.kind != CallKind::BackwardOnly)
+        ctx.stage_inputs.assign(ctx.backward_stages.size(), std::vector<Transfer>(M));
     ctx.outputs.assign(M, {});
     ctx.losses.assign(M, at::Tensor());
 
@@ -54,13 +48,8 @@ void Pipeline::run(CallContext &ctx) {
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
         const size_t device = ctx.job_device[job];
-        JobKind kind = backward_only         ? JobKind::Backward
-                       : !fused || job + 1 < S ? JobKind::Forward
-                       : job + 1 == S          ? JobKind::Tail
-                                               : JobKind::Backward;
-        size_t stage = kind != JobKind::Backward ? job
-                       : fused                   ? S + B - 2 - job
-                                                 : B - 1 - job;
+        const JobKind kind = jobs[job].kind;
+        const size_t stage = jobs[job].stage;
         const Stage &layers = job_stage(ctx, kind, stage);
         trace_.push_back({job, stage, device, kind, {}});
         DeviceLane &lane = workers_[device]->lane();

@@ -402,6 +402,23 @@ const Stage &job_stage(const CallContext &ctx, JobKind kind, size_t s) {
     return kind == JobKind::Backward ? ctx.backward_stages[s] : ctx.stages[s];
 }
 
+std::vector<CallJob> call_jobs(const CallContext &ctx) {
+    const size_t S = ctx.stages.size(), B = ctx.backward_stages.size();
+    std::vector<CallJob> jobs;
+    if (ctx.kind == CallKind::BackwardOnly) {
+        for (size_t b = B; b-- > 0;)
+            jobs.push_back({JobKind::Backward, b});
+        return jobs;
+    }
+    const bool fused = ctx.kind == CallKind::Fused;
+    for (size_t s = 0; s < S; ++s)
+        jobs.push_back({fused && s + 1 == S ? JobKind::Tail : JobKind::Forward, s});
+    if (fused)
+        for (size_t b = B - 1; b-- > 0;)
+            jobs.push_back({JobKind::Backward, b});
+    return jobs;
+}
+
 bool stage_weights_ready(const CallContext &ctx, const Stage &stage) {
     return !ctx.gate || ctx.gate->is_open(stage_params(ctx, stage), ctx.gate_step);
 }
@@ -463,19 +480,12 @@ uint64_t job_layout_fingerprint(const CallContext &ctx, size_t num_devices) {
 }
 
 std::vector<int> gradient_jobs_per_param(const CallContext &ctx) {
-    std::vector<const Stage *> stages; // of the jobs that deliver gradients (see Pipeline::run)
-    if (ctx.kind == CallKind::Fused) {
-        stages.push_back(&ctx.stages.back());
-        for (size_t b = 0; b + 1 < ctx.backward_stages.size(); ++b)
-            stages.push_back(&ctx.backward_stages[b]);
-    } else if (ctx.kind == CallKind::BackwardOnly) {
-        for (const Stage &b : ctx.backward_stages)
-            stages.push_back(&b);
-    }
     std::vector<int> jobs(ctx.store.size(), 0);
-    for (const Stage *st : stages) {
+    for (const CallJob &job : call_jobs(ctx)) {
+        if (job.kind == JobKind::Forward) // makes no leaves (make_leaves)
+            continue;
         std::vector<bool> in_job(ctx.store.size(), false); // a shared parameter counts once
-        for (size_t pi : stage_params(ctx, *st))
+        for (size_t pi : stage_params(ctx, job_stage(ctx, job.kind, job.stage)))
             if (ctx.store.at(pi).trainable() && !in_job[pi]) {
                 in_job[pi] = true;
                 ++jobs[pi];

@@ -89,6 +89,15 @@ struct CallContext {
 // jobs, ctx.stages[stage] for the others.
 const Stage &job_stage(const CallContext &ctx, JobKind kind, size_t stage);
 
+// The jobs of a call, in job order. Forward only: one per stage. Fused: S - 1 forward jobs, the
+// tail (the last of both stage lists), B - 1 backward jobs. BackwardOnly: B backward jobs.
+// Backward jobs go deepest stage first, on the stage inputs the forward kept.
+struct CallJob {
+    JobKind kind;
+    size_t stage; // index into the list job_stage reads
+};
+std::vector<CallJob> call_jobs(const CallContext &ctx);
+
 // Whether the weights of `stage` may be uploaded now without waiting for the optimizer.
 bool stage_weights_ready(const CallContext &ctx, const Stage &stage);
 

@@ -66,6 +66,12 @@ static void fill_data(void) {
     ts_fill_uniform(Y, ROWS * OUT, 42, -1.f, 1.f);
 }
 
+static char *joined(const char *a, const char *sep, const char *b) {
+    char *p = malloc(strlen(a) + strlen(sep) + strlen(b) + 1);
+    sprintf(p, "%s%s%s", a, sep, b);
+    return p;
+}
+
 /* A port nobody listens on now (the kernel's choice); the worker binds it a moment later. */
 static int free_port(void) {
     int s = socket(AF_INET, SOCK_STREAM, 0);
@@ -212,8 +218,7 @@ static int worker(const char *mode, int rank, int port, const char *out) {
         FILE *f = fopen(out, "w");
         fprintf(f, "%lld %lld %d\n", (long long)skipped_first, (long long)skipped_second, changed);
         fclose(f);
-        char *weights = malloc(strlen(out) + 5);
-        sprintf(weights, "%s.bin", out);
+        char *weights = joined(out, "", ".bin");
         double zeros[STEPS] = {0};
         write_results(weights, zeros, after_first);
         free(weights);
@@ -294,10 +299,33 @@ static int wait_worker(pid_t pid, double seconds) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-static char *temp_file(const char *dir, const char *name) {
-    char *p = malloc(strlen(dir) + strlen(name) + 2);
-    sprintf(p, "%s/%s", dir, name);
-    return p;
+/* Both ranks of worker mode `mode`, rank r writing <dir>/rank<r>; each waited for at most
+ * `seconds`. */
+typedef struct {
+    char *dir;
+    char *out[2];
+    int status[2];
+} two_ranks;
+
+static two_ranks run_two_ranks(const char *mode, double seconds) {
+    two_ranks t;
+    t.dir = ts_tempdir();
+    t.out[0] = joined(t.dir, "/", "rank0");
+    t.out[1] = joined(t.dir, "/", "rank1");
+    const int port = free_port();
+    pid_t pid[2];
+    for (int r = 0; r < 2; ++r)
+        pid[r] = spawn_worker(mode, r, port, t.out[r]);
+    for (int r = 0; r < 2; ++r)
+        t.status[r] = wait_worker(pid[r], seconds);
+    return t;
+}
+
+static void two_ranks_free(two_ranks *t) {
+    ts_rmdir(t->dir);
+    free(t->out[0]);
+    free(t->out[1]);
+    free(t->dir);
 }
 
 static void read_results(const char *path, double *losses, ts_params *like) {
@@ -312,13 +340,9 @@ static void read_results(const char *path, double *losses, ts_params *like) {
 
 static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(void **state) {
     (void)state;
-    char *dir = ts_tempdir();
-    char *out0 = temp_file(dir, "rank0.bin"), *out1 = temp_file(dir, "rank1.bin");
-    const int port = free_port();
-    pid_t p0 = spawn_worker("train", 0, port, out0), p1 = spawn_worker("train", 1, port, out1);
-    const int s0 = wait_worker(p0, 240), s1 = wait_worker(p1, 240);
-    assert_int_equal(s0, 0);
-    assert_int_equal(s1, 0);
+    two_ranks run = run_two_ranks("train", 240);
+    assert_int_equal(run.status[0], 0);
+    assert_int_equal(run.status[1], 0);
 
     /* The single process: same weights as rank 0 (seed 5), the whole batch. */
     rp_model *single = ts_model(SPEC, 5, 2, PLAN_SINGLE, 2);
@@ -327,8 +351,8 @@ static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(
     ts_params *w_single = ts_masters(single);
     ts_params *w0 = ts_masters(single), *w1 = ts_masters(single); /* shapes; overwritten */
     double got0[STEPS], got1[STEPS];
-    read_results(out0, got0, w0);
-    read_results(out1, got1, w1);
+    read_results(run.out[0], got0, w0);
+    read_results(run.out[1], got1, w1);
     for (int s = 0; s < STEPS; ++s) {
         if (!(fabs(got0[s] - want[s]) <= 1e-5 * fabs(want[s])) || got1[s] != got0[s]) {
             print_error("step %d: global losses %.10g (rank 0) and %.10g (rank 1), one process "
@@ -347,25 +371,18 @@ static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(
     ts_params_free(w0);
     ts_params_free(w1);
     rp_model_destroy(single);
-    ts_rmdir(dir);
-    free(out0);
-    free(out1);
-    free(dir);
+    two_ranks_free(&run);
 }
 
 static void nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step(void **state) {
     (void)state;
-    char *dir = ts_tempdir();
-    char *out0 = temp_file(dir, "rank0.txt"), *out1 = temp_file(dir, "rank1.txt");
-    const int port = free_port();
-    pid_t p0 = spawn_worker("nan", 0, port, out0), p1 = spawn_worker("nan", 1, port, out1);
-    assert_int_equal(wait_worker(p0, 240), 0);
-    assert_int_equal(wait_worker(p1, 240), 0);
+    two_ranks run = run_two_ranks("nan", 240);
+    assert_int_equal(run.status[0], 0);
+    assert_int_equal(run.status[1], 0);
     rp_model *initial = ts_model(SPEC, 5, 2, PLAN_RANK0, 2); /* rank 0's seed: the weights */
     ts_params *w_initial = ts_masters(initial);
     for (int r = 0; r < 2; ++r) {
-        const char *out = r == 0 ? out0 : out1;
-        FILE *f = fopen(out, "r");
+        FILE *f = fopen(run.out[r], "r");
         assert_non_null(f);
         long long first = -1, second = -1;
         int changed = -1;
@@ -376,7 +393,7 @@ static void nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step(void *
                         "step %s the weights\n", r, first, second, changed ? "changed" : "kept");
             fail();
         }
-        char *weights = temp_file(dir, r == 0 ? "rank0.txt.bin" : "rank1.txt.bin");
+        char *weights = joined(run.out[r], "", ".bin");
         ts_params *w = ts_masters(initial); /* shapes; overwritten */
         double zeros[STEPS];
         read_results(weights, zeros, w);
@@ -386,10 +403,7 @@ static void nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step(void *
     }
     ts_params_free(w_initial);
     rp_model_destroy(initial);
-    ts_rmdir(dir);
-    free(out0);
-    free(out1);
-    free(dir);
+    two_ranks_free(&run);
 }
 
 static void a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout(void **state) {
@@ -401,14 +415,10 @@ static void a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout(
                       "error\n");
         skip();
     }
-    char *dir = ts_tempdir();
-    char *out0 = temp_file(dir, "rank0.txt"), *out1 = temp_file(dir, "rank1.txt");
-    const int port = free_port();
-    pid_t p0 = spawn_worker("die", 0, port, out0), p1 = spawn_worker("die", 1, port, out1);
-    const int s1 = wait_worker(p1, 120), s0 = wait_worker(p0, 120);
-    assert_int_equal(s1, 7); /* died in its loss callback */
-    assert_int_equal(s0, 0);
-    FILE *f = fopen(out0, "r");
+    two_ranks run = run_two_ranks("die", 120);
+    assert_int_equal(run.status[1], 7); /* died in its loss callback */
+    assert_int_equal(run.status[0], 0);
+    FILE *f = fopen(run.out[0], "r");
     assert_non_null(f);
     int first = 0, second = 0;
     double elapsed = 0;
@@ -421,10 +431,7 @@ static void a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout(
                     second);
         fail();
     }
-    ts_rmdir(dir);
-    free(out0);
-    free(out1);
-    free(dir);
+    two_ranks_free(&run);
 }
 
 static void bad_data_parallel_options_are_refused(void **state) {

@@ -169,6 +169,7 @@ def test_timedelta_timeouts_and_defaults():
     assert dp.timeout == 120.0
     assert dp.engine_values() == (-1, -1, b"env://", 120000, 0)
     assert DataParallel(rendezvous=None).rendezvous == "env://"
+    assert DataParallel().engine_values()[3] == 0  # no timeout given: the engine's default
 
 
 class TwoLinears(torch.nn.Module):

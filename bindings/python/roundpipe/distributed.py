@@ -1,8 +1,8 @@
 """Data parallelism across processes (docs/several-machines.md).
 
 Every process (rank) runs its own RoundPipe pipeline on its own share of each batch; before every
-optimizer step the engine averages the ranks' gradients over libtorch's c10d with Gloo, on the
-host form of the gradients, while the pipeline still runs. Give a model
+optimizer step the engine averages the ranks' gradients over libtorch's c10d while the pipeline
+still runs (NCCL in GPU memory for GPU models, Gloo on the host for CPU devices). Give a model
 ``RoundPipe(..., data_parallel=DataParallel())`` under ``torchrun``, or
 ``data_parallel=DataParallel.from_process_group()`` where ``torch.distributed`` is already
 initialised::
@@ -31,10 +31,6 @@ from .errors import RoundPipeError, Status
 
 __all__ = ["DataParallel", "data_parallel_available"]
 
-#: The engine's default timeout (rp_model_options_set_data_parallel's timeout_ms 0), in seconds.
-DEFAULT_TIMEOUT = 600.0
-
-
 def data_parallel_available() -> bool:
     """Whether the loaded libroundpipe can do data parallelism (it was built with c10d's Gloo
     support; ``rp_data_parallel_available``)."""
@@ -45,6 +41,9 @@ def data_parallel_available() -> bool:
 
 
 def _timeout_seconds(timeout):
+    """Seconds from a number or a timedelta; None stays None (the engine's default)."""
+    if timeout is None:
+        return None
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -76,10 +75,11 @@ class DataParallel:
         rendezvous: ``"env://"`` (default; ``$MASTER_ADDR`` and ``$MASTER_PORT``, as torchrun
             sets them) or ``"tcp://host:port"`` (rank 0 hosts the engine's store there).
         timeout: seconds (or a ``datetime.timedelta``) a rank waits for the others, when the
-            model is created and in every collective (default 600). A rank that died, hung or
-            failed its call makes the others' calls raise RoundPipeError (``Status.IO``) within
-            it; the model is unusable afterwards (``Status.STATE``) and must be created again on
-            every rank.
+            model is created and in every collective; None (default): the engine's (10
+            minutes). On CPU devices a rank that died, hung or failed its call makes the others'
+            calls raise RoundPipeError (``Status.IO``) within it; the model is unusable
+            afterwards (``Status.STATE``) and must be created again on every rank. On GPUs such
+            a call does not yet return (docs/several-machines.md).
         global_loss: report each training call's loss as the mean over the ranks (one small
             collective per call; default False: this rank's own loss).
 
@@ -92,7 +92,7 @@ class DataParallel:
     rank: int = -1
     world_size: int = -1
     rendezvous: Optional[str] = "env://"
-    timeout: Union[float, datetime.timedelta] = DEFAULT_TIMEOUT
+    timeout: Union[None, float, datetime.timedelta] = None
     global_loss: bool = False
 
     def __post_init__(self):
@@ -118,12 +118,14 @@ class DataParallel:
     def engine_values(self) -> Tuple[int, int, bytes, int, int]:
         """``(rank, world_size, rendezvous, timeout_ms, global_loss)`` as
         rp_model_options_set_data_parallel and rp_model_options_set_global_loss take them."""
-        return (self.rank, self.world_size, self.rendezvous.encode(),
-                max(1, int(round(self.timeout * 1000))), int(self.global_loss))
+        timeout_ms = 0 if self.timeout is None else max(1, int(round(self.timeout * 1000)))
+        return (self.rank, self.world_size, self.rendezvous.encode(), timeout_ms,
+                int(self.global_loss))
 
     @classmethod
-    def from_process_group(cls, group: Any = None, timeout: Union[float, datetime.timedelta] =
-                           DEFAULT_TIMEOUT, global_loss: bool = False,
+    def from_process_group(cls, group: Any = None,
+                           timeout: Union[None, float, datetime.timedelta] = None,
+                           global_loss: bool = False,
                            host: Optional[str] = None) -> "DataParallel":
         """Settings for the ranks of an initialised ``torch.distributed`` process group (the
         default group, or `group`), used only to agree on a rendezvous: the engine's gradients

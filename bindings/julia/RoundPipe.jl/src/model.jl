@@ -42,17 +42,19 @@ const _PIN_MODES = (alloc=L.RP_PIN_ALLOC, register=L.RP_PIN_REGISTER, off=L.RP_P
 const _HOST_MEMORY_MODES = (standard=L.RP_HOST_MEMORY_STANDARD, saving=L.RP_HOST_MEMORY_SAVING)
 
 """
-    DataParallel(; rank=-1, world_size=-1, rendezvous="env://", timeout=600.0, global_loss=false)
+    DataParallel(; rank=-1, world_size=-1, rendezvous="env://", timeout=nothing, global_loss=false)
 
 Data parallelism across processes (`Model(...; data_parallel=DataParallel(...))`,
 docs/several-machines.md): this process is rank `rank` (-1: `ENV["RANK"]`) of `world_size`
 (-1: `ENV["WORLD_SIZE"]`; 0: off), each running its own model on its share of every batch; the
 ranks' gradients are averaged before every optimizer step. `rendezvous` is `"env://"`
 (`MASTER_ADDR` and `MASTER_PORT`, as torchrun sets them) or `"tcp://host:port"` (rank 0 hosts
-the store there). `timeout` (seconds) is how long a rank waits for the others, when the model is
-created (which blocks until every rank has joined, and gives every rank rank 0's initial
-weights) and in every collective: a rank that died or hung makes the others' calls throw
-`RoundPipeError` with `RP_ERR_IO`, then `RP_ERR_STATE` (create the model again on every rank).
+the store there). `timeout` (seconds; `nothing`: the engine's default, 10 minutes) is how long a
+rank waits for the others, when the model is created (which blocks until every rank has joined)
+and in every collective; before the first training call every rank takes rank 0's weights. On
+CPU devices a rank that died or hung makes the others' calls throw `RoundPipeError` with
+`RP_ERR_IO`, then `RP_ERR_STATE` (create the model again on every rank); on GPUs such a call
+does not yet return (docs/several-machines.md).
 `global_loss`: each training call returns the mean loss over the ranks. The values are checked
 by `rp_model_options_set_data_parallel` when the model is made.
 """
@@ -60,22 +62,25 @@ struct DataParallel
     rank::Int32
     world_size::Int32
     rendezvous::String
-    timeout::Float64
+    timeout::Union{Nothing,Float64}
     global_loss::Bool
 end
 
 DataParallel(; rank::Integer=-1, world_size::Integer=-1, rendezvous::AbstractString="env://",
-             timeout::Real=600.0, global_loss::Bool=false) =
-    DataParallel(Int32(rank), Int32(world_size), String(rendezvous), Float64(timeout),
-                 global_loss)
+             timeout::Union{Nothing,Real}=nothing, global_loss::Bool=false) =
+    DataParallel(Int32(rank), Int32(world_size), String(rendezvous),
+                 timeout === nothing ? nothing : Float64(timeout), global_loss)
 
 function _set_data_parallel(opts, data_parallel)
     (data_parallel === nothing || data_parallel === false) && return nothing
     dp = data_parallel === true ? DataParallel() : data_parallel
     dp isa DataParallel || _invalid("data_parallel must be a DataParallel, true or nothing")
-    (isfinite(dp.timeout) && dp.timeout > 0) ||
-        _invalid("data parallel timeout must be a positive number of seconds")
-    timeout_ms = max(Int64(1), round(Int64, min(dp.timeout * 1000, 9.0e18)))
+    timeout_ms = Int64(0) # the engine's default
+    if dp.timeout !== nothing
+        (isfinite(dp.timeout) && dp.timeout > 0) ||
+            _invalid("data parallel timeout must be a positive number of seconds")
+        timeout_ms = max(Int64(1), round(Int64, min(dp.timeout * 1000, 9.0e18)))
+    end
     @check L.rp_model_options_set_data_parallel(opts, dp.rank, dp.world_size, dp.rendezvous,
                                                 timeout_ms)
     @check L.rp_model_options_set_global_loss(opts, Int32(dp.global_loss))

@@ -339,15 +339,16 @@ impl ModelOptions {
     /// docs/several-machines.md): this process is rank `rank` of `world_size`, each running its
     /// own model on its share of every batch; the ranks' gradients are averaged before every
     /// optimizer step. [`Model::new`](crate::Model::new) joins the group (blocking until every
-    /// rank has) and gives every rank rank 0's initial weights.
+    /// rank has); before the first training call every rank takes rank 0's weights.
     ///
     /// `rank`: 0 .. world_size - 1, or -1: `$RANK`. `world_size`: >= 1, -1: `$WORLD_SIZE`, 0:
     /// off (the default). `rendezvous`: `"env://"` (`$MASTER_ADDR` and `$MASTER_PORT`, as
     /// torchrun sets them; `None` means this) or `"tcp://host:port"` (rank 0 hosts the store).
     /// `timeout`: how long a rank waits for the others, at creation and in every collective
-    /// (rounded up to whole milliseconds; zero: 10 minutes). A rank that dies or times out makes
-    /// the others' calls fail with [`Status::Io`](crate::Status::Io), afterwards
-    /// [`Status::State`](crate::Status::State): create the model again on every rank.
+    /// (rounded up to whole milliseconds; zero: 10 minutes). On CPU devices a rank that dies or
+    /// times out makes the others' calls fail with [`Status::Io`](crate::Status::Io), afterwards
+    /// [`Status::State`](crate::Status::State): create the model again on every rank. On GPUs
+    /// such a call does not yet return (docs/several-machines.md).
     /// Errors: [`Status::InvalidArgument`](crate::Status::InvalidArgument) for values out of
     /// range (the environment and the address are checked by `Model::new`).
     pub fn set_data_parallel(
