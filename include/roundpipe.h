@@ -465,6 +465,28 @@ RP_API rp_status rp_model_options_set_data_parallel(rp_model_options *options, i
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (not 0 or 1). */
 RP_API rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t global);
 
+/**
+ * LoRA adapters (PEFT's LoraConfig) on the decoder layers of a Hugging Face model: each target
+ * projection y = x W^T + b gains (alpha / rank) * B (A dropout(x)), A [rank, in] initialised
+ * uniform(-1/sqrt(in), 1/sqrt(in)) and B [out, rank] zeros, as PEFT's defaults. Every other
+ * parameter of the model (embeddings, norms, projections, LM head) becomes frozen: held once in
+ * the model dtype, with no fp32 master, gradient or optimizer state (2 bytes per parameter for
+ * bf16), and the LM head computes no weight gradient. Only rp_model_create_from_hf and
+ * rp_model_create_from_hf_config honour it; rp_model_create(_with_layers) refuses options with
+ * LoRA set. rp_model_save_hf then writes merged weights (a plain Hugging Face model);
+ * rp_model_save_lora / rp_model_load_lora move the adapters in PEFT's format.
+ * @param rank 1 .. 65536, or 0: no adapters (the default).
+ * @param alpha finite, > 0 (PEFT's lora_alpha; the scaling is alpha / rank).
+ * @param dropout in [0, 1): dropout on the adapters' input in training calls (masks drawn from
+ *        the model seed, replayed exactly by the recompute).
+ * @param target_modules comma-separated PEFT module names among q_proj, k_proj, v_proj, o_proj,
+ *        gate_proj, up_proj, down_proj, or "all-linear" (all seven); NULL or "" means PEFT's
+ *        default for Llama and Qwen3: "q_proj,v_proj". Borrowed; copied.
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT (a value out of range; an unknown module, named).
+ */
+RP_API rp_status rp_model_options_set_lora(rp_model_options *options, int32_t rank, double alpha,
+                                           double dropout, const char *target_modules);
+
 /** 1 when this library can do data parallelism (it was built with c10d's Gloo headers), else 0.
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (NULL pointer). */
 RP_API rp_status rp_data_parallel_available(int32_t *out_available);
@@ -1359,6 +1381,46 @@ RP_API rp_status rp_model_load_hf(rp_model *model, const char *dir);
  * Thread: the thread driving this model.
  */
 RP_API rp_status rp_model_save_hf(rp_model *model, const char *dir);
+
+/**
+ * The LoRA configuration of a model (rp_model_options_set_lora): `*out_rank` 0 when it has no
+ * adapters (then the other outputs are 0, 0 and ""). `out_target_modules` receives the adapted
+ * projections, comma-separated in layer order ("q_proj,v_proj"); library-owned, valid while the
+ * model lives. Any output may be NULL. Adapter parameters are the RP_PARAM_TRAINABLE ones;
+ * rp_param_hf_name names them "model.layers.<i>.self_attn.q_proj.lora_A.weight".
+ * @return RP_OK or RP_ERR_INVALID_ARGUMENT. Thread: any thread.
+ */
+RP_API rp_status rp_model_lora(int32_t *out_rank, double *out_alpha, double *out_dropout,
+                               const char **out_target_modules, const rp_model *model);
+
+/**
+ * Save the adapters of a LoRA model (synchronizes first) in PEFT's format, so that
+ * PeftModel.from_pretrained(base, dir) loads them: `dir`/adapter_config.json and
+ * `dir`/adapter_model.safetensors (fp32 master weights, named
+ * "base_model.model.model.layers.<i>.<module>.lora_A.weight"). `dir` is created if missing (its
+ * parent must exist). Each file is replaced crash-safely (the weights first, then the config).
+ * Data parallel: only rank 0 writes.
+ * @param base_model written as base_model_name_or_path (NULL: null); borrowed.
+ * @return RP_OK; RP_ERR_IO (the message names the path); RP_ERR_STATE for a model not built from
+ *         a Hugging Face config; RP_ERR_INVALID_ARGUMENT (NULL, or a model without adapters).
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_save_lora(rp_model *model, const char *dir, const char *base_model);
+
+/**
+ * Load adapters saved by rp_model_save_lora or by PEFT (save_pretrained of a PeftModel) into a
+ * LoRA model. adapter_config.json must describe the model's adapters (PEFT type LORA, the same
+ * rank, lora_alpha and target_modules, plain LoRA: no DoRA, rsLoRA, patterns or
+ * modules_to_save); lora_dropout may differ. adapter_model.safetensors must hold exactly the
+ * model's adapter tensors with their shapes. Everything is checked before any weight changes.
+ * Synchronizes first; optimizer state is kept; accumulated gradients are dropped.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT for a configuration or tensor that does not match the
+ *         model (the message names the key or the tensor), NULL, or a model without adapters;
+ *         RP_ERR_IO for a missing, corrupt or truncated file; RP_ERR_STATE for a model not built
+ *         from a Hugging Face config.
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_load_lora(rp_model *model, const char *dir);
 
 /** ABI version this header describes. */
 #define RP_ABI_VERSION 1

@@ -342,6 +342,26 @@ rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t gl
     });
 }
 
+rp_status rp_model_options_set_lora(rp_model_options *options, int32_t rank, double alpha,
+                                    double dropout, const char *target_modules) {
+    return guard([&] {
+        require_arg(options, "options is NULL");
+        require(rank >= 0, "LoRA rank must be >= 0 (0: no adapters), got " +
+                               std::to_string(rank));
+        if (rank == 0) {
+            options->lora = LoraSpec();
+            return;
+        }
+        LoraSpec lora;
+        lora.rank = rank;
+        lora.alpha = alpha;
+        lora.dropout = dropout;
+        lora.targets = parse_lora_targets(target_modules);
+        check_lora_spec(lora);
+        options->lora = lora; // only once every value is good
+    });
+}
+
 rp_status rp_data_parallel_available(int32_t *out_available) {
     return guard([&] {
         require_arg(out_available, "out_available is NULL");

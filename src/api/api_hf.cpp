@@ -2,6 +2,7 @@
 #include "api/api_guard.h"
 #include "api/handles.h"
 #include "api/model_call.h"
+#include "hf/hf_lora.h"
 
 using namespace rp;
 
@@ -11,11 +12,16 @@ rp_model *handle_of(HfModel built) {
     auto handle = std::make_unique<rp_model>();
     handle->model = std::move(built.model);
     handle->hf = std::move(built.info);
+    handle->lora_targets = rp::lora_targets_text(handle->hf->lora.targets);
     return handle.release();
 }
 
 ModelOptions options_of(const rp_model_options *options) {
     return options ? options->options : ModelOptions();
+}
+
+LoraSpec lora_of(const rp_model_options *options) {
+    return options ? options->lora : LoraSpec();
 }
 
 HfModelInfo &hf_of(rp_model *model) {
@@ -38,7 +44,7 @@ rp_status rp_model_create_from_hf(rp_model **out_model, const char *dir,
         const std::string d = dir;
         const std::string path = (d.empty() || d.back() == '/' ? d : d + "/") + "config.json";
         HfModelConfig config = parse_hf_config(read_hf_config_text(d), path, ErrorKind::Io);
-        *out_model = handle_of(create_hf_model(config, options_of(options), &d));
+        *out_model = handle_of(create_hf_model(config, options_of(options), lora_of(options), &d));
     });
 }
 
@@ -49,7 +55,7 @@ rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *confi
         require_arg(config_json, "config_json is NULL");
         HfModelConfig config =
             parse_hf_config(config_json, "config_json", ErrorKind::InvalidArgument);
-        *out_model = handle_of(create_hf_model(config, options_of(options), nullptr));
+        *out_model = handle_of(create_hf_model(config, options_of(options), lora_of(options), nullptr));
     });
 }
 
@@ -76,6 +82,49 @@ rp_status rp_model_save_hf(rp_model *model, const char *dir) {
             return;
         }
         save_hf_model(*model->model, hf, dir);
+    });
+}
+
+rp_status rp_model_lora(int32_t *out_rank, double *out_alpha, double *out_dropout,
+                        const char **out_target_modules, const rp_model *model) {
+    return guard([&] {
+        require_arg(model && model->model, "model is NULL");
+        const LoraSpec lora = model->hf ? model->hf->lora : LoraSpec();
+        if (out_rank)
+            *out_rank = static_cast<int32_t>(lora.rank);
+        if (out_alpha)
+            *out_alpha = lora.alpha;
+        if (out_dropout)
+            *out_dropout = lora.dropout;
+        if (out_target_modules)
+            *out_target_modules = model->lora_targets.c_str();
+    });
+}
+
+rp_status rp_model_save_lora(rp_model *model, const char *dir, const char *base_model) {
+    return guard([&] {
+        ModelCall hold(model);
+        HfModelInfo &hf = hf_of(model);
+        require_arg(dir, "dir is NULL");
+        require(!model->model->on_optimizer_thread(),
+                "rp_model_save_lora may not be called from a step callback");
+        require(hf.lora.enabled(), "the model has no LoRA adapters (rp_model_options_set_lora)");
+        if (!model->model->writes_checkpoints()) { // data parallel: rank 0 writes
+            model->model->synchronize();
+            return;
+        }
+        save_lora_adapter(*model->model, hf, dir, base_model ? base_model : "");
+    });
+}
+
+rp_status rp_model_load_lora(rp_model *model, const char *dir) {
+    return guard([&] {
+        ModelCall hold(model);
+        HfModelInfo &hf = hf_of(model);
+        require_arg(dir, "dir is NULL");
+        require(!model->model->on_optimizer_thread(),
+                "rp_model_load_lora may not be called from a step callback");
+        load_lora_adapter(*model->model, hf, dir);
     });
 }
 

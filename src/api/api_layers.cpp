@@ -183,6 +183,7 @@ rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_jso
         ModelOptions opts = options ? options->options : ModelOptions();
         auto layers = parse_model_spec(
             spec_json, [&](size_t k) { return make_caller_layer(*defs[k]); }, n_defs);
+        refuse_lora_options(options, layers);
         auto handle = std::make_unique<rp_model>();
         handle->model = std::make_unique<Model>(std::move(layers), opts);
         *out_model = handle.release();

@@ -85,8 +85,10 @@ rp_status rp_model_create(rp_model **out_model, const char *spec_json,
         require_arg(out_model, "out_model is NULL");
         require_arg(spec_json, "spec_json is NULL");
         ModelOptions opts = options ? options->options : ModelOptions();
+        auto layers = parse_model_spec(spec_json);
+        refuse_lora_options(options, layers);
         auto handle = std::make_unique<rp_model>();
-        handle->model = std::make_unique<Model>(parse_model_spec(spec_json), opts);
+        handle->model = std::make_unique<Model>(std::move(layers), opts);
         *out_model = handle.release();
     });
 }

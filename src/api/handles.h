@@ -18,13 +18,33 @@ struct rp_run_config {
 
 struct rp_model_options {
     rp::ModelOptions options;
+    rp::LoraSpec lora; // Hugging Face models only (rp_model_options_set_lora)
 };
+
+namespace rp {
+// LoRA adapters exist on the decoder layers of Hugging Face models only: a model built from a
+// spec refuses options that ask for them, naming its layer types.
+inline void refuse_lora_options(const rp_model_options *options,
+                                const std::vector<std::unique_ptr<Layer>> &layers) {
+    if (!options || !options->lora.enabled())
+        return;
+    std::string types;
+    for (const auto &layer : layers)
+        if (types.find(layer->type()) == std::string::npos)
+            types += (types.empty() ? "" : ", ") + layer->type();
+    fail(ErrorKind::InvalidArgument,
+         "LoRA adapters (rp_model_options_set_lora) exist only on the decoder layers of Hugging "
+         "Face models (rp_model_create_from_hf, rp_model_create_from_hf_config); layer types " +
+             types + " have none");
+}
+} // namespace rp
 
 struct rp_model {
     std::unique_ptr<rp::Model> model;
     std::atomic<bool> busy{false}; // an exported call holds the model (api/model_call.h)
     std::string trace_json; // backs the pointer rp_model_trace_json hands out
     std::unique_ptr<rp::HfModelInfo> hf; // models built from a Hugging Face config only
+    std::string lora_targets;            // backs the pointer rp_model_lora hands out
 };
 
 struct rp_loss {

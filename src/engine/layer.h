@@ -74,9 +74,17 @@ class Layer {
     const std::vector<ParamSpec> &params() const { return params_; }
     // Elements of the parameters this layer owns (tied ones are another layer's); -1 when a
     // shape from outside (a spec, a config) makes the count overflow an int64.
-    int64_t own_param_elements() const {
+    int64_t own_param_elements() const { return count_elements(false, false); }
+    // The same, of the trainable parameters only (`trainable`) or of the others (frozen
+    // parameters and buffers, which cost only their held bytes).
+    int64_t own_param_elements(bool trainable) const { return count_elements(true, trainable); }
+
+  private:
+    int64_t count_elements(bool filter, bool trainable) const {
         int64_t n = 0;
         for (const ParamSpec &spec : params_) {
+            if (filter && (spec.role == ParamRole::Trainable) != trainable)
+                continue;
             int64_t count = 1;
             for (int64_t d : spec.shape)
                 if (d < 0 || __builtin_mul_overflow(count, d, &count))
@@ -86,6 +94,8 @@ class Layer {
         }
         return n;
     }
+
+  public:
 
     // `params` are in the order of params(), on the device and dtype of the computation.
     virtual at::Tensor forward(const std::vector<at::Tensor> &params, const at::Tensor &x,
@@ -152,6 +162,14 @@ class Layer {
     // Integer labels of a loss this layer fuses must lie in [0, label_index_limit()) or be
     // kIgnoreLabel; 0: the layer fuses no such loss. Asked of a model's last layer.
     virtual int64_t label_index_limit() const { return 0; }
+
+    // Marks every trainable parameter this layer declares frozen (a LoRA model trains only its
+    // adapters); the layer's computation is unchanged.
+    void freeze_params() {
+        for (ParamSpec &spec : params_)
+            if (spec.role == ParamRole::Trainable)
+                spec.role = ParamRole::Frozen;
+    }
 
     // Initial values given by the caller are copied into the parameter store; the layer need not
     // keep a second copy.

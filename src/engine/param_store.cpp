@@ -48,23 +48,31 @@ int64_t ParamStore::bytes_per_element(at::ScalarType model_dtype, HostMemoryMode
     return 4 + 2 * d + 4 + 4 + 8; // master, two weight copies, two gradients, fp32 moments
 }
 
-void ParamStore::check_fits_host(int64_t elements, at::ScalarType model_dtype,
+void ParamStore::check_fits_host(int64_t trainable, int64_t frozen, at::ScalarType model_dtype,
                                  HostMemoryMode mode, const std::string &what) {
     const HostMemoryHeadroom headroom = available_host_memory();
     const int64_t available = headroom.bytes;
     const int64_t per = bytes_per_element(model_dtype, mode);
-    int64_t needed = 0;
-    const bool overflow = elements < 0 || __builtin_mul_overflow(elements, per, &needed);
+    const int64_t held = static_cast<int64_t>(at::elementSize(model_dtype));
+    int64_t needed = 0, frozen_bytes = 0;
+    const bool overflow = trainable < 0 || frozen < 0 ||
+                          __builtin_mul_overflow(trainable, per, &needed) ||
+                          __builtin_mul_overflow(frozen, held, &frozen_bytes) ||
+                          __builtin_add_overflow(needed, frozen_bytes, &needed);
     if (available < 0 && !overflow)
         return; // nothing says; let the allocator decide
     if (overflow || needed > available)
         fail(ErrorKind::OutOfMemory,
              what + " needs " + (overflow ? std::string("more bytes than an int64 counts")
                                           : gib(static_cast<double>(needed))) +
-                 " of host memory for its parameter state (" + std::to_string(elements) +
-                 " parameters x " + std::to_string(per) +
-                 " bytes, optimizer state included), but the host has " +
-                 gib(static_cast<double>(available)) + " available (" + headroom.source +
+                 " of host memory for its parameter state (" + std::to_string(trainable) +
+                 " trainable parameters x " + std::to_string(per) +
+                 " bytes, optimizer state included" +
+                 (frozen > 0 ? ", and " + std::to_string(frozen) + " frozen x " +
+                                   std::to_string(held) + " bytes"
+                             : std::string()) +
+                 "), but the host has " + gib(static_cast<double>(available)) + " available (" +
+                 headroom.source +
                  "); use the memory-saving host mode, a 16-bit model dtype, or a smaller model");
 }
 
@@ -88,7 +96,7 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
     const bool live_is_master = saving && model_dtype == at::kFloat;
     // Sizes come from outside (a spec, a config): an element count that overflows an int64 is
     // the caller's error, and the total must fit the host before anything is allocated.
-    int64_t elements = 0;
+    int64_t trainable = 0, frozen = 0;
     bool too_many = false;
     for (size_t l = 0; l < layers.size(); ++l) {
         const int64_t n = layers[l]->own_param_elements();
@@ -97,9 +105,12 @@ ParamStore::ParamStore(const std::vector<std::unique_ptr<Layer>> &layers,
                                                  layers[l]->type() +
                                                  "): its parameters have more elements than "
                                                  "an int64 can count");
-        too_many = __builtin_add_overflow(elements, n, &elements) || too_many;
+        const int64_t t = layers[l]->own_param_elements(true);
+        too_many = __builtin_add_overflow(trainable, t, &trainable) ||
+                   __builtin_add_overflow(frozen, n - t, &frozen) || too_many;
     }
-    check_fits_host(too_many ? -1 : elements, model_dtype, mode, "the model");
+    check_fits_host(too_many ? -1 : trainable, too_many ? -1 : frozen, model_dtype, mode,
+                    "the model");
     for (size_t l = 0; l < layers.size(); ++l) {
         for (const ParamSpec &spec : layers[l]->params()) {
             if (!spec.tied_to.empty()) {

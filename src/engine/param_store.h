@@ -51,11 +51,12 @@ class ParamStore {
     // Host bytes per parameter element in this layout, built-in AdamW state included (the most
     // any built-in optimizer allocates at its first step).
     static int64_t bytes_per_element(at::ScalarType model_dtype, HostMemoryMode mode);
-    // Throws OutOfMemory, with the figures, when `elements` parameters in this layout need more
-    // host memory than the host has available; `what` names the model in the message. Checked
-    // before anything is allocated.
-    static void check_fits_host(int64_t elements, at::ScalarType model_dtype, HostMemoryMode mode,
-                                const std::string &what);
+    // Throws OutOfMemory, with the figures, when `trainable` parameters in this layout plus
+    // `frozen` ones held in the model dtype (frozen parameters and buffers) need more host memory
+    // than the host has available; `what` names the model in the message. Checked before
+    // anything is allocated. A negative count means one that overflowed an int64.
+    static void check_fits_host(int64_t trainable, int64_t frozen, at::ScalarType model_dtype,
+                                HostMemoryMode mode, const std::string &what);
     ParamStore &operator=(const ParamStore &) = delete;
 
     size_t size() const { return params_.size(); }

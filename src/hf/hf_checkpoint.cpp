@@ -48,7 +48,9 @@ std::string shape_str(at::IntArrayRef s) {
     return out + "]";
 }
 
-std::string read_text(const std::string &path) {
+} // namespace
+
+std::string read_text_file(const std::string &path) {
     struct stat st;
     if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
         fail(ErrorKind::Io, path + ": is a directory, not a file");
@@ -62,12 +64,23 @@ std::string read_text(const std::string &path) {
     return s.str();
 }
 
+void ensure_dir(const std::string &dir) {
+    if (exists(dir))
+        return;
+    if (::mkdir(dir.c_str(), 0777) != 0)
+        fail(ErrorKind::Io, dir + ": cannot create directory: " + std::strerror(errno));
+    const size_t end = dir.find_last_not_of('/');
+    sync_dir(parent_dir(end == std::string::npos ? dir : dir.substr(0, end + 1)));
+}
+
+namespace {
+
 // Sharded layout from the index: which file holds each tensor.
 HfLayout read_index(const std::string &dir) {
     const std::string path = join(dir, kIndexFile);
     json index;
     try {
-        index = json::parse(read_text(path));
+        index = json::parse(read_text_file(path));
     } catch (const json::exception &e) {
         // Includes numbers out of range (1e400), which nlohmann reports as out_of_range.
         fail(ErrorKind::Io, path + ": not valid JSON: " + e.what());
@@ -174,7 +187,7 @@ std::string read_hf_config_text(const std::string &dir) {
     const std::string path = join(dir, "config.json");
     if (!exists(path))
         fail(ErrorKind::Io, path + ": missing (not a Hugging Face model directory?)");
-    return read_text(path);
+    return read_text_file(path);
 }
 
 namespace {
@@ -282,12 +295,7 @@ HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTens
 
 void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
                         const std::vector<NamedTensor> &tensors, const std::string &config_json) {
-    if (!exists(dir)) {
-        if (::mkdir(dir.c_str(), 0777) != 0)
-            fail(ErrorKind::Io, dir + ": cannot create directory: " + std::strerror(errno));
-        const size_t end = dir.find_last_not_of('/');
-        sync_dir(parent_dir(end == std::string::npos ? dir : dir.substr(0, end + 1)));
-    }
+    ensure_dir(dir);
 
     // What saves killed earlier left behind: temporaries, and older versions' partial files.
     remove_stale_temporaries(dir, is_checkpoint_file);
@@ -347,7 +355,7 @@ void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
     try {
         // config.json is rewritten only when it changes, so that a save of the same model
         // replaces the weights alone.
-        if (!exists(config_path) || read_text(config_path) != config_json)
+        if (!exists(config_path) || read_text_file(config_path) != config_json)
             config_tmp = stage_text_file(config_path, config_json);
         if (layout.sharded) {
             json weight_map = json::object();

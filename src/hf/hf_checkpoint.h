@@ -47,6 +47,14 @@ HfCheckpoint open_hf_checkpoint(const std::string &dir, const std::vector<HfTens
 void save_hf_checkpoint(const std::string &dir, const HfLayout &layout,
                         const std::vector<NamedTensor> &tensors, const std::string &config_json);
 
+// The whole text of the file at `path`. Throws rp::Error(Io) naming the path (missing, a
+// directory, unreadable).
+std::string read_text_file(const std::string &path);
+
+// Creates `dir` (one level) when it does not exist, durably (its parent is synced). Throws
+// rp::Error(Io) naming it.
+void ensure_dir(const std::string &dir);
+
 // Reads `dir`/config.json. Throws rp::Error(Io) naming the path.
 std::string read_hf_config_text(const std::string &dir);
 

@@ -9,7 +9,7 @@
 namespace rp {
 namespace {
 
-DecoderSpec decoder_spec(const HfModelConfig &c, double init_std) {
+DecoderSpec decoder_spec(const HfModelConfig &c, double init_std, const LoraSpec &lora) {
     DecoderSpec decoder;
     decoder.dim = c.hidden;
     decoder.heads = c.heads;
@@ -22,27 +22,36 @@ DecoderSpec decoder_spec(const HfModelConfig &c, double init_std) {
     decoder.attention_bias = c.attention_bias;
     decoder.mlp_bias = c.mlp_bias;
     decoder.init_std = init_std;
+    decoder.lora = lora;
     return decoder;
 }
 
 // A config is a few hundred bytes of text that may describe any number of layers: its host
-// memory is checked from one decoder layer's parameters before the layer list is built.
-void check_fits_host(const HfModelConfig &c, const ModelOptions &options) {
-    const int64_t per_layer = make_decoder_layer(decoder_spec(c, 0.0))->own_param_elements();
-    int64_t total = 0, embeddings = 0;
+// memory is checked from one decoder layer's parameters before the layer list is built. With
+// LoRA only the adapters are trainable; the rest costs its held bytes.
+void check_fits_host(const HfModelConfig &c, const ModelOptions &options, const LoraSpec &lora) {
+    const auto layer = make_decoder_layer(decoder_spec(c, 0.0, lora));
+    const int64_t per_layer = layer->own_param_elements();
+    const int64_t per_layer_trainable = layer->own_param_elements(true);
+    int64_t total = 0, trainable = 0, embeddings = 0;
     bool too_many = per_layer < 0 || __builtin_mul_overflow(per_layer, c.layers, &total) ||
+                    __builtin_mul_overflow(per_layer_trainable, c.layers, &trainable) ||
                     __builtin_mul_overflow(c.vocab, c.hidden, &embeddings) ||
                     (!c.tied && __builtin_add_overflow(embeddings, embeddings, &embeddings));
     for (int64_t part : {embeddings, c.hidden})
         too_many = __builtin_add_overflow(total, part, &total) || too_many;
-    ParamStore::check_fits_host(too_many ? -1 : total, options.model_dtype,
-                                options.host_memory_mode,
+    if (!lora.enabled())
+        trainable = total;
+    ParamStore::check_fits_host(too_many ? -1 : trainable, too_many ? -1 : total - trainable,
+                                options.model_dtype, options.host_memory_mode,
                                 "the " + c.architecture + " of the config");
 }
 
-// The layer list of hf_config.h: token_embedding, decoder layers, rms_norm, lm_head.
-std::vector<std::unique_ptr<Layer>> hf_layers(const HfModelConfig &c, double init_std) {
-    const DecoderSpec decoder = decoder_spec(c, init_std);
+// The layer list of hf_config.h: token_embedding, decoder layers, rms_norm, lm_head. With LoRA
+// every parameter but the decoder layers' adapters is frozen.
+std::vector<std::unique_ptr<Layer>> hf_layers(const HfModelConfig &c, double init_std,
+                                              const LoraSpec &lora) {
+    const DecoderSpec decoder = decoder_spec(c, init_std, lora);
     std::vector<std::unique_ptr<Layer>> layers;
     layers.push_back(make_token_embedding(c.vocab, c.hidden, init_std));
     for (int64_t i = 0; i < c.layers; ++i)
@@ -50,11 +59,19 @@ std::vector<std::unique_ptr<Layer>> hf_layers(const HfModelConfig &c, double ini
     layers.push_back(make_rms_norm(c.hidden, c.eps));
     layers.push_back(make_lm_head(c.hidden, c.vocab, c.tied ? "0.weight" : "", init_std,
                                   /*chunk_tokens=*/0));
+    if (lora.enabled()) // the decoder layers froze their own base weights
+        for (size_t l : {size_t{0}, layers.size() - 2, layers.size() - 1})
+            layers[l]->freeze_params();
     return layers;
 }
 
+bool is_adapter_name(const std::string &name) {
+    return name.find(".lora_A.") != std::string::npos ||
+           name.find(".lora_B.") != std::string::npos;
+}
+
 // Hugging Face name and expected shape of every parameter with a master weight of its own, in
-// the parameter store's order (the store skips tied parameters the same way).
+// the parameter store's order (the store skips tied parameters the same way), adapters included.
 std::vector<HfTensorSpec> tensor_specs(const HfModelConfig &config,
                                        const std::vector<std::unique_ptr<Layer>> &layers) {
     std::vector<HfTensorSpec> specs;
@@ -66,11 +83,45 @@ std::vector<HfTensorSpec> tensor_specs(const HfModelConfig &config,
     return specs;
 }
 
-std::vector<HfTensorSpec> tensor_specs(const HfModelInfo &info, const Model &model) {
+// The specs a Hugging Face checkpoint holds: all but the adapters.
+std::vector<HfTensorSpec> checkpoint_specs(const std::vector<HfTensorSpec> &all) {
     std::vector<HfTensorSpec> specs;
-    for (size_t i = 0; i < model.params().size(); ++i)
+    for (const HfTensorSpec &spec : all)
+        if (!is_adapter_name(spec.name))
+            specs.push_back(spec);
+    return specs;
+}
+
+std::vector<HfTensorSpec> checkpoint_specs(const HfModelInfo &info, const Model &model) {
+    std::vector<HfTensorSpec> specs;
+    for (size_t i : info.base_params)
         specs.push_back({info.tensor_names[i], model.params().at(i).master.sizes().vec()});
     return specs;
+}
+
+// Which parameters are adapters, and the adapter of each adapted weight, from the names.
+void index_adapters(HfModelInfo &info) {
+    for (size_t i = 0; i < info.tensor_names.size(); ++i)
+        (is_adapter_name(info.tensor_names[i]) ? info.adapter_params : info.base_params)
+            .push_back(i);
+    auto index_of = [&](const std::string &name) -> int64_t {
+        for (size_t i = 0; i < info.tensor_names.size(); ++i)
+            if (info.tensor_names[i] == name)
+                return static_cast<int64_t>(i);
+        return -1;
+    };
+    const std::string suffix = ".weight";
+    for (size_t i : info.base_params) {
+        const std::string &name = info.tensor_names[i];
+        if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(),
+                                                         suffix.size(), suffix) != 0)
+            continue;
+        const std::string module = name.substr(0, name.size() - suffix.size());
+        const int64_t a = index_of(module + ".lora_A.weight");
+        const int64_t b = index_of(module + ".lora_B.weight");
+        if (a >= 0 && b >= 0)
+            info.lora_pairs.push_back({i, static_cast<size_t>(a), static_cast<size_t>(b)});
+    }
 }
 
 std::vector<std::string> ignored_tensors(const HfModelConfig &config) {
@@ -107,11 +158,12 @@ void copy_reporting(const at::Tensor &dst, const at::Tensor &src, ProgressReport
 // Copies validated checkpoint tensors into the master weights (converting on the fly, no second
 // copy of the model), then publishes them; accumulated gradients are dropped as by
 // rp_model_load.
-void install(Model &m, const HfCheckpoint &ckpt, ProgressReport &progress) {
+void install(Model &m, const HfModelInfo &info, const HfCheckpoint &ckpt,
+             ProgressReport &progress) {
     m.synchronize();
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < ckpt.tensors.size(); ++i)
-        copy_reporting(m.params().at(i).master, ckpt.tensors[i], progress);
+        copy_reporting(m.params().at(info.base_params[i]).master, ckpt.tensors[i], progress);
     m.synchronize();
     m.zero_grad();
     progress.finish();
@@ -120,23 +172,27 @@ void install(Model &m, const HfCheckpoint &ckpt, ProgressReport &progress) {
 } // namespace
 
 HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options,
-                        const std::string *dir) {
-    check_fits_host(config, options);
+                        const LoraSpec &lora, const std::string *dir) {
+    if (lora.enabled())
+        check_lora_spec(lora);
+    check_fits_host(config, options, lora);
     // Weights that a checkpoint overwrites are not drawn first (init_std 0: zero-filled).
-    auto layers = hf_layers(config, dir ? 0.0 : config.init_std);
+    auto layers = hf_layers(config, dir ? 0.0 : config.init_std, lora);
     std::vector<HfTensorSpec> specs = tensor_specs(config, layers);
     HfCheckpoint ckpt;
     std::unique_ptr<ProgressReport> progress;
     if (dir) {
-        ckpt = open_hf_checkpoint(*dir, specs, ignored_tensors(config));
+        ckpt = open_hf_checkpoint(*dir, checkpoint_specs(specs), ignored_tensors(config));
         // Reported from here: building the model below takes part of the time.
         progress = std::make_unique<ProgressReport>("load " + *dir, checkpoint_bytes(ckpt));
     }
     HfModel out;
     out.info = std::make_unique<HfModelInfo>();
     out.info->config = config;
+    out.info->lora = lora;
     for (const HfTensorSpec &spec : specs)
         out.info->tensor_names.push_back(spec.name);
+    index_adapters(*out.info);
     out.model = std::make_unique<Model>(std::move(layers), options);
     if (out.model->params().size() != specs.size())
         fail(ErrorKind::Internal, "the parameter store holds " +
@@ -144,7 +200,7 @@ HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options
                                       " parameters, the Hugging Face names " +
                                       std::to_string(specs.size()));
     if (dir) {
-        install(*out.model, ckpt, *progress);
+        install(*out.model, *out.info, ckpt, *progress);
         out.info->layout = ckpt.layout;
     }
     return out;
@@ -152,17 +208,33 @@ HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options
 
 void load_hf_weights(Model &model, HfModelInfo &info, const std::string &dir) {
     HfCheckpoint ckpt =
-        open_hf_checkpoint(dir, tensor_specs(info, model), ignored_tensors(info.config));
+        open_hf_checkpoint(dir, checkpoint_specs(info, model), ignored_tensors(info.config));
     ProgressReport progress("load " + dir, checkpoint_bytes(ckpt));
-    install(model, ckpt, progress);
+    install(model, info, ckpt, progress);
     info.layout = ckpt.layout;
 }
 
 void save_hf_model(Model &model, const HfModelInfo &info, const std::string &dir) {
     model.synchronize();
+    const ParamStore &store = model.params();
     std::vector<NamedTensor> tensors;
-    for (size_t i = 0; i < model.params().size(); ++i)
-        tensors.push_back({info.tensor_names[i], model.params().at(i).live});
+    for (size_t i : info.base_params)
+        tensors.push_back({info.tensor_names[i], store.at(i).live});
+    const double scaling = info.lora.enabled() ? info.lora.scaling() : 0.0;
+    for (const LoraPair &pair : info.lora_pairs) {
+        NamedTensor &nt = *std::find_if(tensors.begin(), tensors.end(), [&](const NamedTensor &t) {
+            return t.name == info.tensor_names[pair.base];
+        });
+        const at::Tensor w = store.at(pair.base).live;
+        const at::Tensor a = store.at(pair.a).master, b = store.at(pair.b).master;
+        nt.tensor = at::empty(w.sizes(), w.options().device(at::kMeta));
+        // Made when the writer reaches it: W + (alpha / r) B A in fp32, rounded once.
+        nt.produce = [w, a, b, scaling] {
+            at::NoGradGuard no_grad;
+            return at::addmm(w.to(at::kFloat), b, a, /*beta=*/1.0, /*alpha=*/scaling)
+                .to(w.scalar_type());
+        };
+    }
     save_hf_checkpoint(dir, info.layout, tensors,
                        hf_config_for_save(info.config, model.params().model_dtype()));
 }

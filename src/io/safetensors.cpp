@@ -270,13 +270,13 @@ void write_safetensors(const std::string &path, const std::vector<NamedTensor> &
     uint64_t offset = 0;
     std::vector<at::Tensor> contiguous;
     for (const NamedTensor &nt : tensors) {
-        at::Tensor t = nt.tensor.to(at::kCPU).contiguous();
+        at::Tensor t = nt.produce ? nt.tensor : nt.tensor.to(at::kCPU).contiguous();
         uint64_t nbytes = t.numel() * t.element_size();
         h[nt.name] = {{"dtype", dtype_name(t.scalar_type())},
                       {"shape", t.sizes().vec()},
                       {"data_offsets", {offset, offset + nbytes}}};
         offset += nbytes;
-        contiguous.push_back(t);
+        contiguous.push_back(nt.produce ? at::Tensor() : t);
     }
     std::string header = h.dump();
     header.append((8 - header.size() % 8) % 8, ' '); // keeps the data 8-byte aligned
@@ -294,7 +294,16 @@ void write_safetensors(const std::string &path, const std::vector<NamedTensor> &
         len_bytes[i] = static_cast<unsigned char>(len >> (8 * i));
     ok = ok && std::fwrite(len_bytes, 1, 8, f) == 8;
     ok = ok && std::fwrite(header.data(), 1, header.size(), f) == header.size();
-    for (const at::Tensor &t : contiguous) {
+    for (size_t i = 0; ok && i < tensors.size(); ++i) {
+        at::Tensor t = contiguous[i];
+        if (!t.defined()) { // produced now, and freed after this tensor is written
+            t = tensors[i].produce().to(at::kCPU).contiguous();
+            if (t.scalar_type() != tensors[i].tensor.scalar_type() ||
+                t.sizes() != tensors[i].tensor.sizes())
+                fail(ErrorKind::Internal, "tensor \"" + tensors[i].name +
+                                              "\" was produced with another dtype or shape "
+                                              "than its header entry");
+        }
         const uint64_t nbytes = t.numel() * t.element_size();
         const char *data = static_cast<const char *>(t.data_ptr());
         for (uint64_t at = 0; ok && at < nbytes; at += kPieceBytes) {

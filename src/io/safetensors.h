@@ -13,8 +13,16 @@
 namespace rp {
 
 struct NamedTensor {
+    NamedTensor() = default;
+    NamedTensor(std::string name_, at::Tensor tensor_)
+        : name(std::move(name_)), tensor(std::move(tensor_)) {}
+
     std::string name;
     at::Tensor tensor;
+    // For writing only: when set, `tensor` only gives the dtype and shape (a meta tensor will
+    // do) and the writer calls produce() for the data when it reaches this tensor, so tensors
+    // computed for the file (merged LoRA weights) exist one at a time, never all at once.
+    std::function<at::Tensor()> produce;
 };
 
 // Decides from a tensor's header entry alone whether read_safetensors reads it: false skips it

@@ -36,15 +36,17 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
   public:
     static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &h,
                               const at::Tensor &w, const at::Tensor &targets, int64_t chunk,
-                              bool want_grad) {
+                              bool want_grad, bool want_grad_w) {
         const int64_t n = h.size(0);
         const bool low_precision = h.scalar_type() != at::kFloat;
         at::Tensor losses = at::empty({n}, h.options().dtype(at::kFloat));
         at::Tensor grad_h, grad_w;
         if (want_grad) {
             grad_h = at::empty({n, h.size(1)}, h.options());
-            // Low-precision weights: accumulate the chunks' contributions in fp32.
-            grad_w = at::zeros(w.sizes(), w.options().dtype(at::kFloat));
+            // Low-precision weights: accumulate the chunks' contributions in fp32. A frozen
+            // head (LoRA) needs only grad_h.
+            if (want_grad_w)
+                grad_w = at::zeros(w.sizes(), w.options().dtype(at::kFloat));
         }
         for (int64_t start = 0; start < n; start += chunk) {
             const int64_t len = std::min(chunk, n - start);
@@ -57,6 +59,8 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
                 continue;
             at::Tensor grad_hc = grad_h.narrow(0, start, len);
             at::mm_out(grad_hc, g, w);
+            if (!want_grad_w)
+                continue;
             if (!low_precision)
                 grad_w.addmm_(g.t(), hc);
             else if (grad_w.is_cuda())
@@ -82,8 +86,9 @@ class ChunkedCausalLmLoss : public torch::autograd::Function<ChunkedCausalLmLoss
         // In place: backward runs once, and a second [vocab, dim] buffer would raise the peak.
         ctx->saved_data.clear();
         grad_h.mul_(g.to(grad_h.scalar_type()));
-        grad_w.mul_(g);
-        return {grad_h, grad_w.to(w_dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+        if (grad_w.defined())
+            grad_w = grad_w.mul_(g).to(w_dtype);
+        return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -105,7 +110,7 @@ class LmHead final : public Layer {
     // The fp32 [vocab, dim] gradient accumulator and one chunk of logits (overwritten by their
     // gradient) with its fp32 losses.
     double workspace_bytes() const override {
-        return accumulator_bytes() +
+        return (weight_trainable() ? accumulator_bytes() : 0.0) +
                static_cast<double>(chunk_for(compute_dtype_)) * token_bytes(compute_dtype_);
     }
     int64_t vocab() const { return vocab_; }
@@ -138,10 +143,13 @@ class LmHead final : public Layer {
         at::Tensor h = x.reshape({-1, dim_});
         const bool want_grad =
             at::GradMode::is_enabled() && (h.requires_grad() || w.requires_grad());
-        return ChunkedCausalLmLoss::apply(h, w, targets, chunk_for(h.scalar_type()), want_grad);
+        return ChunkedCausalLmLoss::apply(h, w, targets, chunk_for(h.scalar_type()), want_grad,
+                                          want_grad && w.requires_grad());
     }
 
   private:
+    // A frozen head (every parameter of a LoRA model but the adapters) has no weight gradient.
+    bool weight_trainable() const { return params_[0].role == ParamRole::Trainable; }
     double accumulator_bytes() const {
         return 4.0 * static_cast<double>(vocab_) * static_cast<double>(dim_);
     }
@@ -156,7 +164,8 @@ class LmHead final : public Layer {
     int64_t chunk_for(at::ScalarType dtype) const {
         if (chunk_tokens_ > 0)
             return chunk_tokens_;
-        const double room = std::isfinite(granted_bytes_) ? granted_bytes_ - accumulator_bytes()
+        const double accumulator = weight_trainable() ? accumulator_bytes() : 0.0;
+        const double room = std::isfinite(granted_bytes_) ? granted_bytes_ - accumulator
                                                           : kUncappedChunkBytes;
         const double fit = std::floor(room / token_bytes(dtype));
         int64_t chunk =

@@ -92,27 +92,35 @@ class DecoderLayer final : public Layer {
         auto bias = [&](bool on, const std::string &name, int64_t n) {
             return on ? add({name, {n}, InitKind::Zeros, 0.0}) : -1;
         };
+        // A projection: its weight, its bias, then its adapter (PEFT's order inside the module).
+        auto projection = [&](LoraTarget t, int64_t out, int64_t in, bool with_bias, int &w,
+                              int &b) {
+            const std::string path = lora_module_path(t);
+            w = add(normal_param(path + ".weight", {out, in}, s.init_std));
+            b = bias(with_bias, path + ".bias", out);
+            if (s.lora.enabled() && s.lora.targets_projection(t)) {
+                lora_a_[static_cast<int>(t)] = add(lora_a_param(t, s.lora.rank, in));
+                lora_b_[static_cast<int>(t)] = add(lora_b_param(t, s.lora.rank, out));
+            }
+        };
         // Hugging Face's module order, so the parameters list like a state dict.
-        q_w_ = add(normal_param("self_attn.q_proj.weight", {q, s.dim}, s.init_std));
-        q_b_ = bias(s.attention_bias, "self_attn.q_proj.bias", q);
-        k_w_ = add(normal_param("self_attn.k_proj.weight", {kv, s.dim}, s.init_std));
-        k_b_ = bias(s.attention_bias, "self_attn.k_proj.bias", kv);
-        v_w_ = add(normal_param("self_attn.v_proj.weight", {kv, s.dim}, s.init_std));
-        v_b_ = bias(s.attention_bias, "self_attn.v_proj.bias", kv);
-        o_w_ = add(normal_param("self_attn.o_proj.weight", {s.dim, q}, s.init_std));
-        o_b_ = bias(s.attention_bias, "self_attn.o_proj.bias", s.dim);
+        projection(LoraTarget::Q, q, s.dim, s.attention_bias, q_w_, q_b_);
+        projection(LoraTarget::K, kv, s.dim, s.attention_bias, k_w_, k_b_);
+        projection(LoraTarget::V, kv, s.dim, s.attention_bias, v_w_, v_b_);
+        projection(LoraTarget::O, s.dim, q, s.attention_bias, o_w_, o_b_);
         if (s.qk_norm) {
             q_norm_ = add({"self_attn.q_norm.weight", {s.head_dim}, InitKind::Ones, 0.0});
             k_norm_ = add({"self_attn.k_norm.weight", {s.head_dim}, InitKind::Ones, 0.0});
         }
-        gate_w_ = add(normal_param("mlp.gate_proj.weight", {s.hidden, s.dim}, s.init_std));
-        gate_b_ = bias(s.mlp_bias, "mlp.gate_proj.bias", s.hidden);
-        up_w_ = add(normal_param("mlp.up_proj.weight", {s.hidden, s.dim}, s.init_std));
-        up_b_ = bias(s.mlp_bias, "mlp.up_proj.bias", s.hidden);
-        down_w_ = add(normal_param("mlp.down_proj.weight", {s.dim, s.hidden}, s.init_std));
-        down_b_ = bias(s.mlp_bias, "mlp.down_proj.bias", s.dim);
+        projection(LoraTarget::Gate, s.hidden, s.dim, s.mlp_bias, gate_w_, gate_b_);
+        projection(LoraTarget::Up, s.hidden, s.dim, s.mlp_bias, up_w_, up_b_);
+        projection(LoraTarget::Down, s.dim, s.hidden, s.mlp_bias, down_w_, down_b_);
         in_norm_ = add({"input_layernorm.weight", {s.dim}, InitKind::Ones, 0.0});
         post_norm_ = add({"post_attention_layernorm.weight", {s.dim}, InitKind::Ones, 0.0});
+        if (s.lora.enabled()) // only the adapters train
+            for (ParamSpec &spec : params_)
+                if (spec.name.find(".lora_") == std::string::npos)
+                    spec.role = ParamRole::Frozen;
     }
 
     std::string type() const override { return "decoder_layer"; }
@@ -143,7 +151,7 @@ class DecoderLayer final : public Layer {
         const double projected =
             s_.qk_norm ? 2.0 * e * (q + kv) + f * (heads + kv_heads) : e * (q + kv);
         return 2.0 * (2.0 * e * d + f) + projected + e * kv + e * static_cast<double>(s_.head_dim) +
-               e * q + f * heads + 3.0 * e * static_cast<double>(s_.hidden);
+               e * q + f * heads + 3.0 * e * static_cast<double>(s_.hidden) + adapter_bytes(e);
     }
 
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
@@ -164,9 +172,9 @@ class DecoderLayer final : public Layer {
         const bool fused = fusable(x, p);
         at::Tensor h =
             fused ? kernels::rms_norm(x, p[in_norm_], s_.eps) : rms_norm(x, p[in_norm_], s_.eps);
-        at::Tensor q = linear(h, p, q_w_, q_b_).view({b, t, s_.heads, s_.head_dim});
-        at::Tensor k = linear(h, p, k_w_, k_b_).view({b, t, s_.kv_heads, s_.head_dim});
-        at::Tensor v = linear(h, p, v_w_, v_b_).view({b, t, s_.kv_heads, s_.head_dim});
+        at::Tensor q = project(h, p, LoraTarget::Q, q_w_, q_b_, ctx).view({b, t, s_.heads, s_.head_dim});
+        at::Tensor k = project(h, p, LoraTarget::K, k_w_, k_b_, ctx).view({b, t, s_.kv_heads, s_.head_dim});
+        at::Tensor v = project(h, p, LoraTarget::V, v_w_, v_b_, ctx).view({b, t, s_.kv_heads, s_.head_dim});
 
         at::Tensor cos, sin;
         rotary(positions, b, t, x, cos, sin);
@@ -213,7 +221,7 @@ class DecoderLayer final : public Layer {
                                                     std::nullopt, /*enable_gqa=*/true);
         }
         attn = attn.transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim});
-        at::Tensor attn_out = linear(attn, p, o_w_, o_b_);
+        at::Tensor attn_out = project(attn, p, LoraTarget::O, o_w_, o_b_, ctx);
         at::Tensor out, h2;
         if (fused) {
             std::tie(out, h2) = kernels::add_rms_norm(x, attn_out, p[post_norm_], s_.eps);
@@ -221,12 +229,36 @@ class DecoderLayer final : public Layer {
             out = x + attn_out;
             h2 = rms_norm(out, p[post_norm_], s_.eps);
         }
-        at::Tensor gate = linear(h2, p, gate_w_, gate_b_), up = linear(h2, p, up_w_, up_b_);
+        at::Tensor gate = project(h2, p, LoraTarget::Gate, gate_w_, gate_b_, ctx), up = project(h2, p, LoraTarget::Up, up_w_, up_b_, ctx);
         at::Tensor mlp = fused ? kernels::swiglu(gate, up) : at::silu(gate) * up;
-        return out + linear(mlp, p, down_w_, down_b_);
+        return out + project(mlp, p, LoraTarget::Down, down_w_, down_b_, ctx);
     }
 
   private:
+    // A projection, plus its adapter's term where it has one.
+    at::Tensor project(const at::Tensor &x, const std::vector<at::Tensor> &p, LoraTarget t, int w,
+                       int b, const LayerContext &ctx) const {
+        at::Tensor y = linear(x, p, w, b);
+        const int a_index = lora_a_[static_cast<int>(t)];
+        if (a_index < 0)
+            return y;
+        return y + lora_delta(x, p[a_index], p[lora_b_[static_cast<int>(t)]], s_.lora, t, ctx);
+    }
+
+    // What the adapters keep per token: A's output (r wide, kept by B) and, with dropout, the
+    // dropped input and its mask (A's input).
+    double adapter_bytes(double e) const {
+        double bytes = 0;
+        const double r = static_cast<double>(s_.lora.rank);
+        const double d = static_cast<double>(s_.dim), h = static_cast<double>(s_.hidden),
+                     q = static_cast<double>(s_.heads * s_.head_dim);
+        const double in[kLoraTargets] = {d, d, d, q, d, d, h};
+        for (int t = 0; t < kLoraTargets; ++t)
+            if (lora_a_[t] >= 0)
+                bytes += e * r + (s_.lora.dropout > 0 ? 2.0 * e * in[t] : 0.0);
+        return bytes;
+    }
+
     // The fused kernels cover float32, bfloat16 and float16 with the norm weights in the
     // activations' dtype; other models (float64, weights kept in another dtype) run the
     // unfused expressions.
@@ -280,6 +312,8 @@ class DecoderLayer final : public Layer {
     int q_norm_ = -1, k_norm_ = -1;
     int gate_w_, gate_b_, up_w_, up_b_, down_w_, down_b_;
     int in_norm_, post_norm_;
+    int lora_a_[kLoraTargets] = {-1, -1, -1, -1, -1, -1, -1};
+    int lora_b_[kLoraTargets] = {-1, -1, -1, -1, -1, -1, -1};
 };
 
 } // namespace

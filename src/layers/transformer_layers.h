@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/layer.h"
+#include "layers/lora.h"
 
 namespace rp {
 
@@ -41,6 +42,9 @@ struct DecoderSpec {
     bool attention_bias = false;
     bool mlp_bias = false;
     double init_std = 0.02;
+    // Adapters on the projections (src/layers/lora.h). With them every other parameter of the
+    // layer is frozen: held once in the model dtype, no master, gradient or optimizer state.
+    LoraSpec lora;
 };
 
 // A parameter drawn from normal(0, std). normal(0, 0) is zeros, and zero-filling is a memset where

@@ -326,6 +326,8 @@ def _declare_model(fn):
        [rp_model_options_p, c_int32, c_int32, c_char_p, c_int64])    # rp_status rp_model_options_set_data_parallel(rp_model_options *options, int32_t rank, int32_t world_size, const char *rendezvous, int64_t timeout_ms);
     fn("rp_model_options_set_global_loss", st,
        [rp_model_options_p, c_int32])                                # rp_status rp_model_options_set_global_loss(rp_model_options *options, int32_t global);
+    fn("rp_model_options_set_lora", st,
+       [rp_model_options_p, c_int32, c_double, c_double, c_char_p])  # rp_status rp_model_options_set_lora(rp_model_options *options, int32_t rank, double alpha, double dropout, const char *target_modules);
     fn("rp_data_parallel_available", st, [P(c_int32)])               # rp_status rp_data_parallel_available(int32_t *out_available);
     fn("rp_model_options_set_stage_plan", st,
        [rp_model_options_p, P(c_int32), c_size_t])                   # rp_status rp_model_options_set_stage_plan(rp_model_options *options, const int32_t *layers_per_stage, size_t n);
@@ -448,6 +450,9 @@ def _declare_params(fn):
        [P(rp_model_p), c_char_p, rp_model_options_p])                # rp_status rp_model_create_from_hf_config(rp_model **out_model, const char *config_json, const rp_model_options *options);
     fn("rp_model_load_hf", st, [rp_model_p, c_char_p])               # rp_status rp_model_load_hf(rp_model *model, const char *dir);
     fn("rp_model_save_hf", st, [rp_model_p, c_char_p])               # rp_status rp_model_save_hf(rp_model *model, const char *dir);
+    fn("rp_model_lora", st, [P(c_int32), P(c_double), P(c_double), P(c_char_p), c_void_p])  # rp_status rp_model_lora(int32_t *out_rank, double *out_alpha, double *out_dropout, const char **out_target_modules, const rp_model *model);
+    fn("rp_model_save_lora", st, [rp_model_p, c_char_p, c_char_p])   # rp_status rp_model_save_lora(rp_model *model, const char *dir, const char *base_model);
+    fn("rp_model_load_lora", st, [rp_model_p, c_char_p])             # rp_status rp_model_load_lora(rp_model *model, const char *dir);
 
 
 def _declare_layers(fn):

@@ -181,7 +181,7 @@ class ModelOptions(Owned):
     def __init__(self, model_dtype=None, optim_dtype=None, pin_mode=None, host_memory_mode=None,
                  seed=None, name=None, devices=None, gpu_memory_cap=None, grad_scaler=None,
                  stage_plan=None, run_config=None, skip_nonfinite_steps=None,
-                 data_parallel=None):
+                 data_parallel=None, lora=None):
         L = lib()
         super().__init__(L.rp_model_options_create)
         h = self.handle
@@ -213,6 +213,9 @@ class ModelOptions(Owned):
                 L.rp_model_options_set_data_parallel(h, rank, world_size, rendezvous,
                                                      timeout_ms)
                 L.rp_model_options_set_global_loss(h, global_loss)
+            if lora is not None:
+                rank, alpha, dropout, targets = lora
+                L.rp_model_options_set_lora(h, rank, alpha, dropout, targets)
         except BaseException:
             self.close()
             raise
