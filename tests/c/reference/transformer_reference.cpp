@@ -52,6 +52,8 @@ struct ref_lm {
     double eps = 1e-6;
     std::vector<double> inv_freq;           // per rotated pair
     std::map<std::string, torch::Tensor> w; // leaves, Hugging Face names
+    double lora_scaling = 0.0;              // alpha / r once adapters are loaded
+    std::unique_ptr<torch::optim::AdamW> adamw;
 
     torch::Tensor p(const std::string &name) {
         auto it = w.find(name);
@@ -62,7 +64,13 @@ struct ref_lm {
     bool has(const std::string &name) const { return w.count(name) > 0; }
     torch::Tensor lin(const torch::Tensor &x, const std::string &prefix) {
         torch::Tensor y = torch::matmul(x, p(prefix + ".weight").t());
-        return has(prefix + ".bias") ? y + p(prefix + ".bias") : y;
+        if (has(prefix + ".bias"))
+            y = y + p(prefix + ".bias");
+        if (has(prefix + ".lora_A.weight")) // PEFT's LoRA Linear: base + scaling * B(A(x))
+            y = y + torch::matmul(torch::matmul(x, p(prefix + ".lora_A.weight").t()),
+                                  p(prefix + ".lora_B.weight").t()) *
+                        lora_scaling;
+        return y;
     }
 
     // x [B, H, T, d]; angles [B, T, d/2]: the pair (i, i + d/2) turns by angle i.
@@ -224,6 +232,63 @@ int ref_lm_run(ref_lm *m, const int64_t *ids, const int64_t *mask, const int64_t
         loss.backward();
         if (out_loss)
             *out_loss = loss.item<double>();
+    });
+}
+
+int ref_lm_load_adapter(ref_lm *m, const char *dir) {
+    return guarded([&] {
+        const std::string d = dir;
+        std::ifstream f(d + "/adapter_config.json");
+        if (!f)
+            throw std::runtime_error("reference: no " + d + "/adapter_config.json");
+        std::stringstream text;
+        text << f.rdbuf();
+        json c = json::parse(text.str());
+        m->lora_scaling = c["lora_alpha"].get<double>() / c["r"].get<double>();
+        ref_st *st = ref_st_open((d + "/adapter_model.safetensors").c_str());
+        if (!st)
+            throw std::runtime_error(ref_last_error());
+        const std::string prefix = "base_model.model.";
+        std::vector<torch::Tensor> adapters;
+        for (size_t i = 0; i < ref_st_count(st); ++i) {
+            const std::string name = ref_st_name(st, i);
+            int64_t shape[8];
+            int32_t nd = ref_st_shape(st, name.c_str(), shape, 8);
+            torch::Tensor t = torch::empty(std::vector<int64_t>(shape, shape + nd), torch::kFloat32);
+            if (ref_st_get_f32(st, name.c_str(), t.data_ptr<float>(), t.numel()) != 0) {
+                ref_st_close(st);
+                throw std::runtime_error(ref_last_error());
+            }
+            if (name.compare(0, prefix.size(), prefix) != 0) {
+                ref_st_close(st);
+                throw std::runtime_error("reference: adapter tensor " + name);
+            }
+            m->w[name.substr(prefix.size())] = t.requires_grad_(true);
+            adapters.push_back(t);
+        }
+        ref_st_close(st);
+        for (auto &kv : m->w) // the base model is frozen under LoRA
+            if (kv.first.find(".lora_") == std::string::npos)
+                kv.second.requires_grad_(false);
+        m->adamw.reset();
+    });
+}
+
+int ref_lm_step_adamw(ref_lm *m, double lr, double beta1, double beta2, double eps,
+                      double weight_decay) {
+    return guarded([&] {
+        if (!m->adamw) {
+            std::vector<torch::Tensor> trainable;
+            for (auto &kv : m->w)
+                if (kv.second.requires_grad())
+                    trainable.push_back(kv.second);
+            m->adamw = std::make_unique<torch::optim::AdamW>(
+                trainable, torch::optim::AdamWOptions(lr)
+                               .betas({beta1, beta2})
+                               .eps(eps)
+                               .weight_decay(weight_decay));
+        }
+        m->adamw->step();
     });
 }
 

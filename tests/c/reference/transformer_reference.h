@@ -44,6 +44,20 @@ int ref_lm_run(ref_lm *model, const int64_t *ids, const int64_t *mask, const int
                const int64_t *labels, int64_t batch, int64_t seq, float *out_logits,
                double *out_loss);
 
+/**
+ * Add the LoRA adapters of a PEFT adapter directory (`dir`/adapter_config.json: r, lora_alpha,
+ * target_modules; `dir`/adapter_model.safetensors: "base_model.model.<module>.lora_A.weight" and
+ * ".lora_B.weight"): each adapted projection computes x W^T + b + (lora_alpha / r) (x A^T) B^T,
+ * as PEFT's LoRA Linear does without dropout. The adapters are then the only tensors with
+ * gradients, named without PEFT's prefix ("model.layers.0.self_attn.q_proj.lora_A.weight").
+ */
+int ref_lm_load_adapter(ref_lm *model, const char *dir);
+
+/** One torch::optim::AdamW step (decoupled weight decay) of the adapters on the gradients of the
+ * last run with labels; the optimizer state persists across calls. */
+int ref_lm_step_adamw(ref_lm *model, double lr, double beta1, double beta2, double eps,
+                      double weight_decay);
+
 /** Number of elements of Hugging Face tensor `name` (-1 when the model has none). */
 int64_t ref_lm_numel(const ref_lm *model, const char *name);
 /** Weight / gradient (after a run with labels) of Hugging Face tensor `name`, as fp32. For a
