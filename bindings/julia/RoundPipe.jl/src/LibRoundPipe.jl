@@ -450,6 +450,12 @@ rp_model_options_set_global_loss(options, global_) =
           (Ptr{rp_model_options}, Int32),
           options, global_)
 
+# rp_status rp_model_options_set_lora(rp_model_options *options, int32_t rank, double alpha, double dropout, const char *target_modules);
+rp_model_options_set_lora(options, rank, alpha, dropout, target_modules) =
+    ccall((:rp_model_options_set_lora, libroundpipe()), rp_status,
+          (Ptr{rp_model_options}, Int32, Cdouble, Cdouble, Cstring),
+          options, rank, alpha, dropout, target_modules)
+
 # rp_status rp_data_parallel_available(int32_t *out_available);
 rp_data_parallel_available(out_available) =
     ccall((:rp_data_parallel_available, libroundpipe()), rp_status,
@@ -895,6 +901,24 @@ rp_model_load_hf(model, dir) =
 # rp_status rp_model_save_hf(rp_model *model, const char *dir);
 rp_model_save_hf(model, dir) =
     ccall((:rp_model_save_hf, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Cstring),
+          model, dir)
+
+# rp_status rp_model_lora(int32_t *out_rank, double *out_alpha, double *out_dropout, const char **out_target_modules, const rp_model *model);
+rp_model_lora(out_rank, out_alpha, out_dropout, out_target_modules, model) =
+    ccall((:rp_model_lora, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Cdouble}, Ptr{Cdouble}, Ptr{Cstring}, Ptr{rp_model}),
+          out_rank, out_alpha, out_dropout, out_target_modules, model)
+
+# rp_status rp_model_save_lora(rp_model *model, const char *dir, const char *base_model);
+rp_model_save_lora(model, dir, base_model) =
+    ccall((:rp_model_save_lora, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Cstring, Cstring),
+          model, dir, base_model)
+
+# rp_status rp_model_load_lora(rp_model *model, const char *dir);
+rp_model_load_lora(model, dir) =
+    ccall((:rp_model_load_lora, libroundpipe()), rp_status,
           (Ptr{rp_model}, Cstring),
           model, dir)
 

@@ -45,7 +45,7 @@ export resolve_run_config, split_microbatches
 export num_microbatch, recompute_grain, output_device, merge_output
 export param_count, param_name, param_names, param_find, param_shape, param_hf_name
 export param_master, param_grad, with_param_master, with_param_grad
-export save, load!, save_hf, load_hf!, set_log_callback, reset_log_callback
+export save, load!, save_hf, load_hf!, Lora, lora, save_lora, load_lora!, set_log_callback, reset_log_callback
 export LayerDef, LayerCall, add_param!, add_buffer!, set_cost!, set_activation_bytes!, layer_params, layer_buffers
 export with_buffer, param_kind
 

@@ -3,7 +3,8 @@
 """
     Model(spec_json; seed=0, devices=:auto, num_devices=0, num_microbatch=nothing,
           run_config=nothing, model_dtype=nothing, optim_dtype=nothing, pin=nothing,
-          name=nothing, stage_plan=nothing, host_memory=nothing, data_parallel=nothing)
+          name=nothing, stage_plan=nothing, host_memory=nothing, data_parallel=nothing,
+          lora=nothing)
     Model(; hf_config=json_text, options...)
     Model(; hf_dir=path, options...)
 
@@ -23,6 +24,9 @@ mode the gradients of a bf16 / f16 model are bfloat16: `param_grad` widens them 
 
 `data_parallel` is a `DataParallel` (or `true`: `DataParallel()`, torchrun's environment):
 this process trains as one rank of several, see `DataParallel` and `data_parallel(model)`.
+
+`lora` is a `Lora` (Hugging Face models only): adapters on the decoder layers' projections,
+every other parameter frozen; see `Lora`, `lora(model)`, `save_lora` and `load_lora!`.
 """
 mutable struct Model <: Handle
     ptr::Ptr{L.rp_model}
@@ -88,6 +92,35 @@ function _set_data_parallel(opts, data_parallel)
 end
 
 """
+    Lora(; rank, alpha, dropout=0.0, target_modules=nothing)
+
+LoRA adapters (PEFT's LoraConfig) on the decoder layers of a Hugging Face model
+(`Model(; hf_config=..., lora=Lora(...))`): each target projection gains (alpha / rank) B A, A
+uniform and B zero at creation, and every other parameter becomes frozen (held once in the model
+dtype: no master, gradient or optimizer state). `target_modules` is comma-separated text of PEFT
+module names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
+"all-linear"; `nothing` means "q_proj,v_proj". Checked by `rp_model_options_set_lora`.
+"""
+struct Lora
+    rank::Int32
+    alpha::Float64
+    dropout::Float64
+    target_modules::Union{Nothing,String}
+end
+
+Lora(; rank::Integer, alpha::Real, dropout::Real=0.0, target_modules=nothing) =
+    Lora(Int32(rank), Float64(alpha), Float64(dropout),
+         target_modules === nothing ? nothing : String(target_modules))
+
+function _set_lora(opts, lora)
+    lora === nothing && return nothing
+    lora isa Lora || _invalid("lora must be a Lora or nothing")
+    targets = lora.target_modules === nothing ? C_NULL : lora.target_modules
+    @check L.rp_model_options_set_lora(opts, lora.rank, lora.alpha, lora.dropout, targets)
+    return nothing
+end
+
+"""
     _with_options(f; Model's keywords...) -> f(options::Ptr{rp_model_options})
 
 Model options made from `Model`'s keywords, given to `f`, freed when `f` returns.
@@ -95,7 +128,7 @@ Model options made from `Model`'s keywords, given to `f`, freed when `f` returns
 function _with_options(f; seed::Integer=0, devices::Symbol=:auto, num_devices::Integer=0,
                        num_microbatch=nothing, run_config=nothing, model_dtype=nothing,
                        optim_dtype=nothing, pin=nothing, name=nothing, stage_plan=nothing,
-                       host_memory=nothing, data_parallel=nothing)
+                       host_memory=nothing, data_parallel=nothing, lora=nothing)
     _scoped(_create(L.rp_model_options, L.rp_model_options_create)) do opts
         @check L.rp_model_options_set_seed(opts, UInt64(seed))
         kind = _code(_DEVICE_KINDS, devices, "devices")
@@ -122,6 +155,7 @@ function _with_options(f; seed::Integer=0, devices::Symbol=:auto, num_devices::I
             @check L.rp_model_options_set_stage_plan(opts, plan, Csize_t(length(plan)))
         end
         _set_data_parallel(opts, data_parallel)
+        _set_lora(opts, lora)
         return f(opts)
     end
 end
@@ -312,3 +346,33 @@ save_hf(m::Model, dir::AbstractString) = _path_call(L.rp_model_save_hf, m, dir)
 
 "Load the weights of a Hugging Face directory into a model built from a Hugging Face config."
 load_hf!(m::Model, dir::AbstractString) = _path_call(L.rp_model_load_hf, m, dir)
+
+"""
+    lora(model) -> Lora or nothing
+
+The model's LoRA configuration as the engine holds it (`rp_model_lora`; `target_modules` in
+layer order), `nothing` for a model without adapters. The adapters are its trainable parameters.
+"""
+function lora(m::Model)
+    rank, alpha, dropout = Ref{Int32}(0), Ref{Float64}(0), Ref{Float64}(0)
+    targets = Ref{Cstring}(C_NULL)
+    @check L.rp_model_lora(rank, alpha, dropout, targets, _ptr(m))
+    rank[] == 0 && return nothing
+    return Lora(rank[], alpha[], dropout[], unsafe_string(targets[]))
+end
+
+"""
+    save_lora(model, dir; base_model=nothing)
+
+Save the adapters in PEFT's format (adapter_config.json and adapter_model.safetensors, which
+PEFT's `PeftModel.from_pretrained` loads); synchronizes first.
+"""
+function save_lora(m::Model, dir::AbstractString; base_model=nothing)
+    base = base_model === nothing ? C_NULL : String(base_model)
+    # checked here: the call below runs GC-safe, where nothing may throw
+    base isa String && occursin('\0', base) && _invalid("base_model contains a NUL byte")
+    _path_call((mp, cs) -> L.rp_model_save_lora(mp, cs, base), m, dir)
+end
+
+"Load adapters saved by `save_lora` or by PEFT (they must match the model's LoRA)."
+load_lora!(m::Model, dir::AbstractString) = _path_call(L.rp_model_load_lora, m, dir)

@@ -448,6 +448,33 @@ end
     @test_throws RoundPipeError Model(; devices=:cpu)  # neither a spec nor a config
 end
 
+@testset "LoRA: adapters are the trainable parameters and round-trip through PEFT files" begin
+    Model(; hf_config=QWEN3, devices=:cpu, num_devices=2,
+          lora=Lora(; rank=4, alpha=8.0, target_modules="q_proj,down_proj")) do m
+        @test lora(m) == Lora(Int32(4), 8.0, 0.0, "q_proj,down_proj")
+        adapters = [i for i in 1:param_count(m) if occursin(".lora_", param_hf_name(m, i))]
+        @test length(adapters) == 2 * 2 * 2  # A and B, two projections, two layers
+        dir = mktempdir()
+        save_lora(m, dir; base_model="tiny")
+        @test isfile(joinpath(dir, "adapter_config.json"))
+        Model(; hf_config=QWEN3, devices=:cpu, num_devices=2,
+              lora=Lora(; rank=4, alpha=8.0, target_modules="down_proj,q_proj")) do other
+            load_lora!(other, dir)
+            @test [param_master(other, i) for i in adapters] == [param_master(m, i) for i in adapters]
+        end
+        Model(; hf_config=QWEN3, devices=:cpu, lora=Lora(; rank=4, alpha=8.0)) do other
+            e = try load_lora!(other, dir); nothing catch err; err end
+            @test e isa RoundPipeError && e.status == L.RP_ERR_INVALID_ARGUMENT
+        end
+    end
+    Model(; hf_config=QWEN3, devices=:cpu) do m
+        @test lora(m) === nothing
+    end
+    @test_throws RoundPipeError Model(Example.SPEC; devices=:cpu, lora=Lora(; rank=4, alpha=8.0))
+    @test_throws RoundPipeError Lora(; rank=4, alpha=8.0, target_modules="lm_head") |>
+                                (l -> Model(; hf_config=QWEN3, devices=:cpu, lora=l))
+end
+
 @testset "split_microbatches: the engine's rule, tensor_split sizes" begin
     a = Float32.(reshape(0:9, 2, 5))  # the C tensor [5, 2]: 5 rows
     @test split_microbatches(a, 2) == [a[:, 1:3], a[:, 4:5]]  # 3 rows, then 2

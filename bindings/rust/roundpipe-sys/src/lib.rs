@@ -402,6 +402,13 @@ extern "C" {
         global: i32,
     ) -> rp_status;
     pub fn rp_data_parallel_available(out_available: *mut i32) -> rp_status;
+    pub fn rp_model_options_set_lora(
+        options: *mut rp_model_options,
+        rank: i32,
+        alpha: f64,
+        dropout: f64,
+        target_modules: *const c_char,
+    ) -> rp_status;
     pub fn rp_model_options_set_stage_plan(
         options: *mut rp_model_options,
         layers_per_stage: *const i32,
@@ -704,6 +711,19 @@ extern "C" {
     ) -> rp_status;
     pub fn rp_model_load_hf(model: *mut rp_model, dir: *const c_char) -> rp_status;
     pub fn rp_model_save_hf(model: *mut rp_model, dir: *const c_char) -> rp_status;
+    pub fn rp_model_lora(
+        out_rank: *mut i32,
+        out_alpha: *mut f64,
+        out_dropout: *mut f64,
+        out_target_modules: *mut *const c_char,
+        model: *const rp_model,
+    ) -> rp_status;
+    pub fn rp_model_save_lora(
+        model: *mut rp_model,
+        dir: *const c_char,
+        base_model: *const c_char,
+    ) -> rp_status;
+    pub fn rp_model_load_lora(model: *mut rp_model, dir: *const c_char) -> rp_status;
 }
 
 #[cfg(test)]

@@ -377,6 +377,35 @@ impl ModelOptions {
         Ok(self)
     }
 
+    /// LoRA adapters (PEFT's LoraConfig) on the decoder layers of a Hugging Face model
+    /// ([`Model::from_hf_config`](crate::Model::from_hf_config) /
+    /// [`Model::from_hf_dir`](crate::Model::from_hf_dir); a model built from a spec refuses
+    /// them): each target projection gains (alpha / rank) B A with A uniform and B zero at
+    /// creation; every other parameter becomes frozen (held once in the model dtype, no
+    /// master, gradient or optimizer state). `target_modules`: comma-separated PEFT module
+    /// names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
+    /// "all-linear"; `None` means "q_proj,v_proj". `rank` 0 turns adapters off.
+    /// Errors: [`Status::InvalidArgument`](crate::Status::InvalidArgument) naming the bad value
+    /// or module.
+    pub fn set_lora(
+        &mut self,
+        rank: i32,
+        alpha: f64,
+        dropout: f64,
+        target_modules: Option<&str>,
+    ) -> Result<&mut Self> {
+        let targets = target_modules
+            .map(|t| {
+                CString::new(t).map_err(|_| Error::invalid("target_modules contains a NUL byte"))
+            })
+            .transpose()?;
+        let p = targets.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+        check(unsafe {
+            sys::rp_model_options_set_lora(self.ptr.as_ptr(), rank, alpha, dropout, p)
+        })?;
+        Ok(self)
+    }
+
     /// Device kind and count (0: all visible GPUs, or one CPU worker device).
     pub fn set_devices(&mut self, kind: DeviceKind, count: i32) -> Result<&mut Self> {
         check(unsafe { sys::rp_model_options_set_devices(self.ptr.as_ptr(), kind.code(), count) })?;

@@ -62,7 +62,7 @@ pub use error::{Error, Result, Status};
 pub use layer::{Context, LayerCall, LayerDef, LayerGrads, LayerOutput, ParamKind, Phase};
 pub use log::{reset_log_callback, set_log_callback, LogLevel};
 pub use loss::{Loss, LossFn, LossInput, LossKind};
-pub use model::{HostStateBytes, Model, StepContext};
+pub use model::{HostStateBytes, LoraConfig, Model, StepContext};
 pub use optim::{adam_apply, AdamEntry, AdamHyper, Optimizer, OptimizerKind};
 pub use progress::{reset_progress_callback, set_progress_callback};
 pub use tensor::{AsDlpack, DType, Device, DlTensor, Element, Tensor, TensorView};

@@ -1,6 +1,6 @@
 //! The model: build, train, step, inspect, save and load.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::os::raw::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -715,8 +715,9 @@ impl Model {
         Ok(i)
     }
 
-    /// What parameter `index` is: trainable, frozen, or a buffer (the last two exist only in
-    /// caller-defined layers; they have no gradient and no optimizer state).
+    /// What parameter `index` is: trainable, frozen, or a buffer (frozen: a caller-defined
+    /// layer's, or every non-adapter parameter of a LoRA model; frozen parameters and buffers
+    /// have no gradient and no optimizer state).
     pub fn param_kind(&self, index: usize) -> Result<ParamKind> {
         let mut kind = 0i32;
         check(unsafe { sys::rp_param_kind_of(&mut kind, self.ptr.as_ptr(), index) })?;
@@ -780,6 +781,65 @@ impl Model {
         let p = c_path(dir.as_ref())?;
         check(unsafe { sys::rp_model_load_hf(self.ptr.as_ptr(), p.as_ptr()) })
     }
+
+    /// The model's LoRA configuration ([`ModelOptions::set_lora`](crate::ModelOptions::set_lora)),
+    /// `None` for a model without adapters. The adapters are its trainable parameters.
+    pub fn lora(&self) -> Result<Option<LoraConfig>> {
+        let (mut rank, mut alpha, mut dropout) = (0i32, 0f64, 0f64);
+        let mut targets: *const c_char = ptr::null();
+        check(unsafe {
+            sys::rp_model_lora(
+                &mut rank,
+                &mut alpha,
+                &mut dropout,
+                &mut targets,
+                self.ptr.as_ptr(),
+            )
+        })?;
+        if rank == 0 {
+            return Ok(None);
+        }
+        // SAFETY: library-owned NUL-terminated text, valid while the model lives; copied here.
+        let target_modules = unsafe { CStr::from_ptr(targets) }
+            .to_string_lossy()
+            .into_owned();
+        Ok(Some(LoraConfig {
+            rank,
+            alpha,
+            dropout,
+            target_modules,
+        }))
+    }
+
+    /// Save the adapters in PEFT's format (`adapter_config.json` and
+    /// `adapter_model.safetensors`, which `PeftModel.from_pretrained` loads); synchronizes
+    /// first. `base_model` is written as base_model_name_or_path.
+    pub fn save_lora(&mut self, dir: impl AsRef<Path>, base_model: Option<&str>) -> Result<()> {
+        let p = c_path(dir.as_ref())?;
+        let base = base_model
+            .map(|b| CString::new(b).map_err(|_| Error::invalid("base_model contains a NUL byte")))
+            .transpose()?;
+        let b = base.as_ref().map_or(ptr::null(), |c| c.as_ptr());
+        check(unsafe { sys::rp_model_save_lora(self.ptr.as_ptr(), p.as_ptr(), b) })
+    }
+
+    /// Load adapters saved by [`save_lora`](Self::save_lora) or by PEFT; the directory must
+    /// describe this model's adapters (rank, alpha, target modules, tensor shapes), else
+    /// [`Status::InvalidArgument`] names the key or tensor and nothing changes.
+    pub fn load_lora(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let p = c_path(dir.as_ref())?;
+        check(unsafe { sys::rp_model_load_lora(self.ptr.as_ptr(), p.as_ptr()) })
+    }
+}
+
+/// A model's LoRA configuration, as [`Model::lora`] reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub rank: i32,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// The adapted projections, comma-separated in layer order ("q_proj,v_proj").
+    pub target_modules: String,
 }
 
 impl Drop for Model {
