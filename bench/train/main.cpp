@@ -29,8 +29,14 @@ using namespace tb;
 // Whether the engine's host state fits in MemAvailable (the bytes per parameter are the
 // engine's own, from a tiny model with the same options); reports the estimate either way.
 bool host_state_fits(json &out, const Options &o) {
-    const double per_param = engine_host_bytes_per_param(o);
-    const double need = per_param * double(total_params(o.model_shape()));
+    const HostBytesPerParam per = engine_host_bytes_per_param(o);
+    const Shape &s = o.model_shape();
+    // Under LoRA the shape's parameters are frozen and the adapters are the trainable ones.
+    const double adapters = double(lora_params(s, o.lora_rank, o.lora_targets));
+    const double need = o.lora_rank > 0
+                            ? per.frozen * double(total_params(s)) + per.trainable * adapters
+                            : per.trainable * double(total_params(s));
+    const double per_param = need / (double(total_params(s)) + adapters);
     const int64_t avail = mem_available_bytes();
     report_host_memory(out, need, avail);
     if (!o.host_check || avail <= 0 || need <= 0.95 * double(avail))

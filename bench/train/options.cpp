@@ -21,7 +21,8 @@ namespace {
                  "  [--baseline on|off] [--baseline-steps N] [--baseline-warmup N]\n"
                  "  [--baseline-microbatches N (default: --microbatches)]\n"
                  "  [--trace FILE] [--host-check on|off]\n"
-                 "  [--check] [--label TEXT] [--data-parallel env|off (torchrun's environment)]\n",
+                 "  [--check] [--label TEXT] [--data-parallel env|off (torchrun's environment)]\n"
+                 "  [--lora RANK (0: full fine-tune)] [--lora-targets all-linear|q_proj,...]\n",
                  why.c_str(), argv0, shape_names().c_str());
     std::exit(2);
 }
@@ -64,6 +65,8 @@ bool set_option(Options &o, const char *argv0, const std::string &a, const std::
     else if (a == "--seed") o.seed = std::stoull(v);
     else if (a == "--host-check") o.host_check = on_off(argv0, a, v);
     else if (a == "--label") o.label = v;
+    else if (a == "--lora") o.lora_rank = std::stoi(v);
+    else if (a == "--lora-targets") o.lora_targets = v;
     else if (a == "--data-parallel") {
         if (v != "env" && v != "off")
             usage(argv0, "--data-parallel takes env or off");

@@ -38,6 +38,10 @@ struct Options {
     // Data parallel from torchrun's environment ($RANK, $WORLD_SIZE, $MASTER_ADDR, $MASTER_PORT):
     // this process is one rank; tokens/s are this rank's.
     bool data_parallel = false;
+    // LoRA adapters of this rank on --lora-targets (alpha = 2 * rank, PEFT's common choice);
+    // every other parameter frozen. 0: a full fine-tune.
+    int lora_rank = 0;
+    std::string lora_targets = "all-linear";
 
     const Shape &model_shape() const; // the shape named by `shape` (checked by parse_options)
     int64_t tokens() const { return batch * seq; }

@@ -128,6 +128,11 @@ json report_header(const Options &o) {
     out["roundpipe_version"] = rp_version();
     out["shape"] = s.name;
     out["params"] = total_params(s);
+    out["lora_rank"] = o.lora_rank;
+    if (o.lora_rank > 0) {
+        out["lora_targets"] = o.lora_targets;
+        out["lora_params"] = lora_params(s, o.lora_rank, o.lora_targets);
+    }
     out["flop_params"] = flop_params(s);
     out["batch"] = o.batch;
     out["seq"] = o.seq;
@@ -227,8 +232,8 @@ bool report_checks(json &out, const Options &o, const RoundPipeRun &r) {
     // CPU devices record compute only: no transfer, no bytes.
     if (o.on_gpu() && !(out["pcie_h2d_bytes_per_iter"].get<double>() > 0))
         failed += " pcie_h2d_bytes_per_iter";
-    const double estimate = out["host_bytes_estimate"].get<double>() / out["params"].get<double>();
-    if (std::fabs(estimate - out["host_state_bytes_per_param"].get<double>()) > 0.01 * estimate)
+    const double estimate = out["host_bytes_estimate"].get<double>();
+    if (std::fabs(estimate - out["host_state_bytes"].get<double>()) > 0.01 * estimate)
         failed += " host_bytes_estimate";
     if (!out["opt_hidden_fraction"].is_number())
         failed += " opt_hidden_fraction";

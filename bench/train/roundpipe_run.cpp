@@ -47,8 +47,8 @@ RunConfigPtr run_config(int64_t microbatches, const std::string &grain) {
     return guard;
 }
 
-// What the host state depends on: the dtypes and the host memory mode.
-OptionsPtr state_options(const Options &o, const std::string &name) {
+// What the host state depends on: the dtypes, the host memory mode and LoRA (`with_lora`).
+OptionsPtr state_options(const Options &o, const std::string &name, bool with_lora = true) {
     rp_model_options *mo = nullptr;
     RP_CHECK(rp_model_options_create(&mo));
     OptionsPtr guard(mo, rp_model_options_destroy);
@@ -58,6 +58,9 @@ OptionsPtr state_options(const Options &o, const std::string &name) {
     RP_CHECK(rp_model_options_set_name(mo, name.c_str()));
     RP_CHECK(rp_model_options_set_host_memory_mode(
         mo, o.host_memory == "saving" ? RP_HOST_MEMORY_SAVING : RP_HOST_MEMORY_STANDARD));
+    if (with_lora && o.lora_rank > 0)
+        RP_CHECK(rp_model_options_set_lora(mo, o.lora_rank, 2.0 * o.lora_rank, 0.0,
+                                           o.lora_targets.c_str()));
     return guard;
 }
 
@@ -234,9 +237,17 @@ void run_roundpipe(RoundPipeRun &r, const Options &o, int num_gpus) {
             throw BenchError("RoundPipe loss is not finite: " + std::to_string(l));
 }
 
-double engine_host_bytes_per_param(const Options &o) {
+namespace {
+
+// rp_model_host_state_bytes of a tiny model after one training step on a CPU device, and the
+// elements of its trainable parameters (the adapters under LoRA), as the engine reports them.
+struct HostProbe {
+    int64_t bytes = 0, elements = 0, trainable = 0;
+};
+
+HostProbe probe_host_state(const Options &o, bool with_lora) {
     const Shape &tiny = *find_shape("tiny");
-    OptionsPtr mo = state_options(o, "bench-host-probe");
+    OptionsPtr mo = state_options(o, "bench-host-probe", with_lora);
     RP_CHECK(rp_model_options_set_devices(mo.get(), RP_DEVICE_CPU, 1));
     RP_CHECK(rp_model_options_set_grad_scaler(mo.get(), 0.0, 1)); // no skipped step (f16)
     RP_CHECK(rp_model_options_set_run_config(mo.get(), run_config(1, "stage").get()));
@@ -245,11 +256,41 @@ double engine_host_bytes_per_param(const Options &o) {
     sess.fb();
     sess.step(false);
     RP_CHECK(rp_synchronize(sess.model.m));
-    int64_t bytes = 0, elements = 0;
-    RP_CHECK(rp_model_host_state_bytes(&bytes, &elements, sess.model.m));
-    if (elements <= 0)
+    HostProbe p;
+    RP_CHECK(rp_model_host_state_bytes(&p.bytes, &p.elements, sess.model.m));
+    if (p.elements <= 0)
         throw BenchError("rp_model_host_state_bytes counted no parameters");
-    return static_cast<double>(bytes) / static_cast<double>(elements);
+    size_t count = 0;
+    RP_CHECK(rp_param_count(&count, sess.model.m));
+    for (size_t i = 0; i < count; ++i) {
+        int32_t kind = 0, ndim = 0;
+        int64_t shape[8];
+        RP_CHECK(rp_param_kind_of(&kind, sess.model.m, i));
+        RP_CHECK(rp_param_shape(shape, &ndim, 8, sess.model.m, i));
+        int64_t n = 1;
+        for (int32_t d = 0; d < ndim; ++d)
+            n *= shape[d];
+        if (kind == RP_PARAM_TRAINABLE)
+            p.trainable += n;
+    }
+    return p;
+}
+
+} // namespace
+
+HostBytesPerParam engine_host_bytes_per_param(const Options &o) {
+    const HostProbe full = probe_host_state(o, false);
+    HostBytesPerParam per;
+    per.trainable = static_cast<double>(full.bytes) / static_cast<double>(full.elements);
+    per.frozen = per.trainable;
+    if (o.lora_rank > 0) {
+        // Adapters cost what any trainable parameter costs; the rest is what frozen ones do.
+        const HostProbe lora = probe_host_state(o, true);
+        per.frozen = (static_cast<double>(lora.bytes) -
+                      per.trainable * static_cast<double>(lora.trainable)) /
+                     static_cast<double>(lora.elements - lora.trainable);
+    }
+    return per;
 }
 
 } // namespace tb

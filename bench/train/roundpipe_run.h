@@ -33,10 +33,13 @@ struct RoundPipeRun {
 // Fills `r` as it goes; throws BenchError when a call fails or a loss is not finite.
 void run_roundpipe(RoundPipeRun &r, const Options &o, int num_gpus);
 
-// The engine's host-state bytes per parameter for these options (host memory mode and dtypes):
-// rp_model_host_state_bytes of a tiny model on a CPU device after one training step (the
-// optimizer state exists from the first step on). Taken before the real model is built, to
-// skip runs whose host state cannot fit.
-double engine_host_bytes_per_param(const Options &o);
+// The engine's host-state bytes per trainable and per frozen parameter for these options (host
+// memory mode, dtypes, LoRA): rp_model_host_state_bytes of tiny models on a CPU device after one
+// training step (the optimizer state exists from the first step on), without and with the
+// adapters. Taken before the real model is built, to skip runs whose host state cannot fit.
+struct HostBytesPerParam {
+    double trainable = 0, frozen = 0;
+};
+HostBytesPerParam engine_host_bytes_per_param(const Options &o);
 
 } // namespace tb

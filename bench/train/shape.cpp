@@ -12,6 +12,7 @@ const std::vector<Shape> kShapes = {
     {"qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, true, 8, 4096, 4},
     {"qwen3-1.7b", 2048, 28, 16, 8, 128, 6144, 151936, true, 8, 4096, 4},
     {"qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, false, 8, 4096, 4},
+    {"qwen3-32b", 5120, 64, 64, 8, 128, 25600, 151936, false, 8, 4096, 4},
 };
 
 int64_t decoder_layer_params(const Shape &s) {
@@ -43,6 +44,25 @@ int64_t total_params(const Shape &s) {
 
 int64_t flop_params(const Shape &s) {
     return total_params(s) - (s.tied ? 0 : s.vocab * s.hidden);
+}
+
+int64_t lora_params(const Shape &s, int rank, const std::string &targets) {
+    const int64_t q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+    struct Projection {
+        const char *name;
+        int64_t in, out;
+    };
+    const Projection projections[] = {{"q_proj", s.hidden, q},         {"k_proj", s.hidden, kv},
+                                      {"v_proj", s.hidden, kv},        {"o_proj", q, s.hidden},
+                                      {"gate_proj", s.hidden, s.intermediate},
+                                      {"up_proj", s.hidden, s.intermediate},
+                                      {"down_proj", s.intermediate, s.hidden}};
+    int64_t per_layer = 0;
+    for (const Projection &p : projections)
+        if (targets == "all-linear" || ("," + targets + ",").find("," + std::string(p.name) + ",") !=
+                                           std::string::npos)
+            per_layer += rank * (p.in + p.out);
+    return s.layers * per_layer;
 }
 
 double attention_forward_flops(const Shape &s, int64_t batch, int64_t seq) {

@@ -28,6 +28,11 @@ int64_t total_params(const Shape &s);
 // which is a gather, unless it is tied to the LM head (then it is the LM head's matmul).
 int64_t flop_params(const Shape &s);
 
+// Parameters of LoRA adapters of `rank` on every projection of every decoder layer that
+// `targets` names ("all-linear", or PEFT module names separated by commas): rank * (in + out)
+// per adapted projection.
+int64_t lora_params(const Shape &s, int rank, const std::string &targets);
+
 // QK^T and AV of a causal sequence touch T^2/2 query-key pairs per head, 2 multiply-adds of
 // head_dim each: forward 2 * T^2 * heads * head_dim flops per layer and sequence (backward is
 // twice the forward, recompute once more).
