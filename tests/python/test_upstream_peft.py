@@ -1,8 +1,12 @@
-"""PEFT LoRA models through wrap_model_to_roundpipe (issue 14): ``get_peft_model(qwen3,
-LoraConfig(...))`` takes the Python Sequential preset of its base model, whose modules hold the
-adapters; base weights are frozen parameters (requires_grad=False), adapters are trained; after
+"""PEFT LoRA models through wrap_model_to_roundpipe (issues 14, 18): ``get_peft_model(qwen3,
+LoraConfig(...))`` runs on either path, and each test runs on both:
+- "native" (the default): the engine's own decoder layers hold the adapters (docs/lora.md);
+- "python layers" (``native_preset=False``, and what a PEFT model the engine cannot express
+  takes): the Python Sequential preset of its base model, whose modules hold the adapters.
+Base weights are frozen parameters (requires_grad=False), adapters are trained; after
 ``synchronize()`` PEFT's own ``save_pretrained`` writes the trained adapters, and
-``PeftModel.from_pretrained`` of them gives the same logits.
+``PeftModel.from_pretrained`` of them gives the same logits. tests/python/test_lora_native.py
+covers the native path's own API (lora=, save_lora, load_lora, merged saves).
 
 Reference: PEFT on a deep copy of the same model, microbatch by microbatch (transformers' loss
 of each microbatch, summed, as upstream's forward_backward with labels in input_kwargs), the same
@@ -47,6 +51,19 @@ def batch(seed=1):
     return ids, ids.clone()
 
 
+# path name -> wrap_model_to_roundpipe's native_preset
+PATHS = {"native": True, "python layers": False}
+
+
+def wrap(model_peft, path):
+    model = roundpipe.wrap_model_to_roundpipe(
+        model_peft, devices=DEVICES, native_preset=PATHS[path],
+        model_run_config=RoundPipeRunConfig(num_microbatch=N_MB))
+    # the engine reports adapters only when its own layers hold them
+    assert (model.lora is not None) == PATHS[path]
+    return model
+
+
 def reference_step(ref, ids, labels):
     total = 0.0
     for mb_ids, mb_labels in zip(torch.tensor_split(ids, N_MB), torch.tensor_split(labels, N_MB)):
@@ -56,13 +73,12 @@ def reference_step(ref, ids, labels):
     return total
 
 
-def test_lora_logits_loss_and_adapter_gradients_match_peft():
+@pytest.mark.parametrize("path", PATHS)
+def test_lora_logits_loss_and_adapter_gradients_match_peft(path):
     _, model_peft = tiny_lora_qwen3()
     ref = copy.deepcopy(model_peft)
     ids, labels = batch()
-    with roundpipe.wrap_model_to_roundpipe(model_peft, devices=DEVICES,
-                                           model_run_config=RoundPipeRunConfig(
-                                               num_microbatch=N_MB)) as model:
+    with wrap(model_peft, path) as model:
         assert isinstance(model, roundpipe.RoundPipe) and model.num_stages > 1
         named = dict(model.optim_named_parameters())
         frozen = [n for n, p in named.items() if not p.requires_grad]
@@ -93,15 +109,13 @@ def test_lora_logits_loss_and_adapter_gradients_match_peft():
         assert n_grads == sum(p.requires_grad for p in ref.parameters())
 
 
-def test_training_changes_adapters_only_and_saved_adapters_load_in_peft(tmp_path):
+@pytest.mark.parametrize("path", PATHS)
+def test_training_changes_adapters_only_and_saved_adapters_load_in_peft(path, tmp_path):
     base, model_peft = tiny_lora_qwen3()
     ref = copy.deepcopy(model_peft)
     before = {n: p.detach().clone() for n, p in model_peft.named_parameters()}
     ids, labels = batch()
-    model = roundpipe.wrap_model_to_roundpipe(model_peft, devices=DEVICES,
-                                              model_run_config=RoundPipeRunConfig(
-                                                  num_microbatch=N_MB))
-    with model:
+    with wrap(model_peft, path) as model:
         opt = torch.optim.AdamW(model.optim_parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         losses = []

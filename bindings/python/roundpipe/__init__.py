@@ -20,7 +20,9 @@ without copies.
 
 Hugging Face Qwen3 / Llama causal LMs come in through wrap_model_to_roundpipe(transformers_model),
 RoundPipe("path/to/hf_dir") or RoundPipe(config_dict), train with loss_fn="causal_lm" and save
-with save_pretrained(dir) (see the README).
+with save_pretrained(dir) (see the README). LoRA adapters live in the engine too:
+RoundPipe(model, lora=LoraConfig(...)), or a PEFT LoRA model (get_peft_model) of one of these
+(docs/lora.md).
 
 Several processes train one model together with ``RoundPipe(..., data_parallel=DataParallel())``
 under torchrun: each runs its own pipeline on its share of the batch, the engine averages the
@@ -45,6 +47,7 @@ from .recompute import doing_recompute, get_recompute_data, save_for_recompute
 from .context import OptimizerCtx
 from .distributed import DataParallel, data_parallel_available
 from .grad_scaler import GradScaler
+from .lora import LoraConfig
 from .model import BuiltinLoss, HostStateBytes, RoundPipe, RoundPipePackedData, spec_json
 from .wrap import AutoRoundPipe, wrap_model_to_roundpipe
 
@@ -77,5 +80,5 @@ __all__ = [
     "library_version", "cuda_device_count", "candidate_paths", "spec_json", "ABI_VERSION",
     "HostStateBytes", "doing_recompute", "save_for_recompute", "get_recompute_data",
     "AutoRoundPipe", "GradScaler", "OptimizerCtx", "ModelExecutePlan", "ModelTimer",
-    "DataParallel", "data_parallel_available",
+    "DataParallel", "data_parallel_available", "LoraConfig",
 ]

@@ -585,6 +585,14 @@ class Model(Owned):
         lib().rp_model_data_parallel(byref(rank), byref(world_size), self.handle)
         return rank.value, world_size.value
 
+    def lora(self):
+        """(rank, alpha, dropout, target modules text) of the model's adapters
+        (``rp_model_lora``; rank 0: none)."""
+        rank, alpha, dropout, targets = c_int32(), c_double(), c_double(), c_char_p()
+        lib().rp_model_lora(byref(rank), byref(alpha), byref(dropout), byref(targets),
+                            self.handle.value)
+        return rank.value, alpha.value, dropout.value, (targets.value or b"").decode()
+
     def trace_json(self):
         return query(lib().rp_model_trace_json, self.handle, ctype=c_char_p).decode()
 
@@ -672,7 +680,8 @@ class Model(Owned):
 
     def call(self, name, *args):
         """``rp_<name>(model, *args)`` for the calls that take only the model and plain values:
-        synchronize, zero_grad, model_save, model_load, model_save_hf, model_load_hf (these
-        four report progress: tqdm bars by default)."""
+        synchronize, zero_grad, model_save, model_load, model_save_hf, model_load_hf,
+        model_save_lora, model_load_lora (the saves and loads report progress: tqdm bars by
+        default)."""
         with progress_scope():
             getattr(lib(), "rp_" + name)(self.handle, *args)

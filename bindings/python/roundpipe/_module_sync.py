@@ -4,7 +4,8 @@ Upstream's synchronize() leaves the model's parameters at the latest weights and
 the accumulated gradients, so that ``torch.save(model.model.state_dict())`` saves the trained
 model. Here every engine tensor (trainable and frozen parameters, buffers; ``rp_param_kind_of``
 says which) is copied into the module tensor it came from, and each trainable parameter's
-gradient into that parameter's .grad.
+gradient into that parameter's .grad. Frozen parameters do not change in training, so the
+caller may skip them (a LoRA model's frozen base is nearly all of it).
 """
 
 from ctypes import c_char_p, c_size_t, c_void_p
@@ -25,9 +26,9 @@ def module_tensors(module):
     return named
 
 
-def copy_into_module(model_ptr, module, names):
+def copy_into_module(model_ptr, module, names, frozen=True):
     """Copy the engine's tensors into `module`; `names` maps engine names to module names
-    (tensors without a module name, such as a native Hugging Face model's, are skipped)."""
+    (tensors without a module name are skipped); frozen parameters only with `frozen`."""
     L = lib()
     targets = module_tensors(module)
     engine_index = {}
@@ -40,9 +41,12 @@ def copy_into_module(model_ptr, module, names):
             i = engine_index.get(engine_name)
             if target is None or i is None:
                 continue
+            kind = param_kind(model_ptr, i)
+            if kind == _capi.RP_PARAM_FROZEN and not frozen:
+                continue
             value = from_owned(query(L.rp_param_master, model_ptr, i, ctype=c_void_p))
             target.copy_(value.to(device=target.device, dtype=target.dtype))
-            if param_kind(model_ptr, i) != _capi.RP_PARAM_TRAINABLE:
+            if kind != _capi.RP_PARAM_TRAINABLE:
                 continue
             grad = from_owned(query(L.rp_param_grad, model_ptr, i, ctype=c_void_p))
             target.grad = grad.to(device=target.device, dtype=target.dtype, copy=True)

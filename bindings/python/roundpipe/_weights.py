@@ -26,6 +26,7 @@ class WeightsMixin:
             for name, value in named:
                 params[name].copy_(value.detach().to(device="cpu"))
         self._sync_engine()
+        self._module_frozen_stale = True
 
     def _all_tensors(self):
         """engine name -> master weight (parameters) or held value (buffers)."""
@@ -95,11 +96,19 @@ class WeightsMixin:
         the checkpoint it was loaded from (one model.safetensors, or the same shards and index).
         The directory is created if missing (its parent must exist); tokenizer files are not
         written. Only for models built from a Hugging Face model, directory or config. With
-        data parallelism only rank 0 writes (the other ranks' calls do nothing)."""
+        data parallelism only rank 0 writes (the other ranks' calls do nothing).
+
+        A model with LoRA adapters saves what the object it was built from would save: built
+        from a PEFT model, PEFT's adapter directory (that model's own save_pretrained, after
+        :meth:`synchronize` wrote the trained adapters into it; `kwargs` go to it); otherwise
+        the merged model (as :meth:`save_merged`). :meth:`save_lora` writes the adapters of
+        either."""
         original = self._original_model
-        if self._hf_config is None and hasattr(original, "save_pretrained"):
-            # a Python preset (PEFT models included): the wrapped model saves itself, on
-            # data-parallel rank 0 only, as the engine's own saves
+        if (self._hf_config is None or self._peft is not None) and \
+                hasattr(original, "save_pretrained"):
+            # a Python preset or a PEFT model (whose adapters synchronize() brings up to date):
+            # the wrapped model saves itself, on data-parallel rank 0 only, as the engine's own
+            # saves
             self.synchronize()
             if self._model.data_parallel()[0] != 0:
                 return None
@@ -113,6 +122,41 @@ class WeightsMixin:
                                  "Hugging Face model, directory or config; use save(path)")
         self._model.call("model_save_hf", os.fsencode(os.fspath(save_directory)))
 
+    def save_merged(self, save_directory):
+        """Save a causal LM as a plain Hugging Face directory (``rp_model_save_hf``): with LoRA
+        adapters, every adapted weight is merged, W + (lora_alpha / r) B A, rounded once to the
+        model dtype; transformers' from_pretrained loads it without PEFT. Synchronizes first;
+        with data parallelism only rank 0 writes."""
+        if self._hf_config is None:
+            raise RoundPipeError(Status.STATE, "save_merged needs a model built from a Hugging "
+                                 "Face model, directory or config")
+        self._model.call("model_save_hf", os.fsencode(os.fspath(save_directory)))
+
+    def save_lora(self, save_directory, base_model=None):
+        """Save the LoRA adapters in PEFT's format (``rp_model_save_lora``):
+        adapter_config.json and adapter_model.safetensors (fp32 master weights), which
+        ``PeftModel.from_pretrained(base, save_directory)`` and :meth:`load_lora` load.
+        `base_model` is written as base_model_name_or_path; by default the directory the
+        model was built from, or the PEFT model's own entry. Synchronizes first; with data
+        parallelism only rank 0 writes."""
+        if base_model is None and self._peft is not None:
+            base_model = getattr(self.model.peft_config[self._peft.adapter],
+                                 "base_model_name_or_path", None)
+        elif base_model is None and self._hf_dir is not None:
+            base_model = os.path.abspath(os.fspath(self._hf_dir))
+        self._model.call("model_save_lora", os.fsencode(os.fspath(save_directory)),
+                         os.fsencode(os.fspath(base_model)) if base_model is not None else None)
+
+    def load_lora(self, directory):
+        """Load LoRA adapters saved by :meth:`save_lora` or by PEFT's save_pretrained into the
+        model's adapters (``rp_model_load_lora``). adapter_config.json must describe them (the
+        same r, lora_alpha and target_modules; lora_dropout may differ) and
+        adapter_model.safetensors hold exactly their tensors with their shapes; everything is
+        checked before any weight changes (RoundPipeError naming the key or tensor).
+        Synchronizes first; optimizer state is kept, accumulated gradients are dropped."""
+        self._model.call("model_load_lora", os.fsencode(os.fspath(directory)))
+        self._params.reattach_grads(self._model.handle.value)
+
     def load_pretrained(self, directory):
         """Load the weights of a Hugging Face directory (model.safetensors or sharded, with
         this model's architecture and sizes; its config.json is not read) into a causal LM.
@@ -124,6 +168,7 @@ class WeightsMixin:
                                  "Hugging Face model, directory or config; use load(path)")
         self._model.call("model_load_hf", os.fsencode(os.fspath(directory)))
         self._params.reattach_grads(self._model.handle.value)
+        self._module_frozen_stale = True
 
     def hf_parameter_name(self, name):
         """The Hugging Face tensor name of engine parameter `name` of a causal LM
@@ -145,3 +190,4 @@ class WeightsMixin:
         """Load every parameter from a safetensors file (drops accumulated gradients)."""
         self._model.call("model_load", os.fsencode(os.fspath(path)))
         self._params.reattach_grads(self._model.handle.value)
+        self._module_frozen_stale = True

@@ -3,12 +3,15 @@ the engine takes (a JSON layer spec plus weights, or a Hugging Face config / dir
 
 import json
 import os
+import warnings
 
 import torch
 from torch import nn
 
 from . import hf
+from ._hf_presets import peft_base_model
 from .errors import RoundPipeUnsupportedError
+from .lora import peft_lora
 from .hf import HF_ARCHITECTURES  # noqa: F401 (re-export)
 
 SUPPORTED_MODULES = (
@@ -179,10 +182,12 @@ class ModelSource:
     - "hf_config": `text` is a Hugging Face config.json text (rp_model_create_from_hf_config,
       random weights), and `module` the transformers model whose weights are copied in, if any;
     - "hf_dir": `path` is a Hugging Face directory with weights (rp_model_create_from_hf).
-    `dtype` is the model dtype the source suggests (None: the engine's default, float32)."""
+    `dtype` is the model dtype the source suggests (None: the engine's default, float32).
+    `peft`: for a PEFT model of a native architecture (then `module`), its
+    :class:`~roundpipe.lora.PeftLora`, whose adapters the engine holds."""
 
     def __init__(self, kind, text=None, converted=None, module=None, path=None, dtype=None,
-                 config=None):
+                 config=None, peft=None):
         self.layer_defs = []  # rp_layer_def owners of the Python layers, while building
         self.kind = kind
         self.text = text
@@ -191,6 +196,7 @@ class ModelSource:
         self.path = path
         self.dtype = dtype
         self.config = config  # the Hugging Face config dict (hf_* kinds)
+        self.peft = peft
 
     @property
     def is_hf(self):
@@ -205,14 +211,30 @@ def _module_dtype(module):
     return dtypes.pop() if dtypes else None
 
 
-def _hf_module_source(module, arch):
+def _hf_module_source(module, arch, peft_model=None):
+    """The source of transformers model `module`; of `peft_model` around it when given (its
+    adapters become the engine's, lora.peft_lora)."""
     config = getattr(module, "config", None)
     if config is None or not hf.is_hf_config_object(config):
         raise RoundPipeUnsupportedError("%s has no transformers config (.config); Supported: %s."
                                         % (type(module).__name__, hf.SUPPORTED_HF))
     config = hf.config_dict(config, arch)
-    return ModelSource("hf_config", text=json.dumps(config), module=module,
-                       dtype=_module_dtype(module), config=config)
+    if peft_model is None:
+        return ModelSource("hf_config", text=json.dumps(config), module=module,
+                           dtype=_module_dtype(module), config=config)
+    try:
+        peft = peft_lora(peft_model, module)
+    except RoundPipeUnsupportedError as exc:
+        raise RoundPipeUnsupportedError(
+            "this PEFT model has no native form (%s); wrap_model_to_roundpipe(model) runs it "
+            "with transformers' and PEFT's modules as Python layers" % exc.message) from None
+    if peft.frozen_adapters:
+        # PeftModel.from_pretrained(..., is_trainable=False); the engine's adapters are always
+        # trainable, and only the caller knows whether it will step them
+        warnings.warn("the PEFT model's adapters are frozen (inference mode); RoundPipe's are "
+                      "trainable: step() would train them", stacklevel=4)
+    return ModelSource("hf_config", text=json.dumps(config), module=peft_model, dtype=peft.dtype,
+                       config=config, peft=peft)
 
 
 def _hf_config_source(config):
@@ -227,6 +249,9 @@ def resolve_model(model):
         arch = hf.hf_architecture(model)
         if arch is not None:
             return _hf_module_source(model, arch)
+        base = peft_base_model(model)
+        if base is not None and hf.hf_architecture(base) is not None:
+            return _hf_module_source(base, hf.hf_architecture(base), model)
         converted = convert_module(model)
         return ModelSource("module", text=json.dumps(converted.spec), converted=converted,
                            dtype=converted.dtype)

@@ -33,9 +33,10 @@ _OTHER_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_
                        "flax_model.msgpack", "model.ckpt.index")
 
 SUPPORTED_HF = (
-    "Hugging Face Qwen3ForCausalLM / LlamaForCausalLM as a transformers model object, a model "
-    "directory (config.json with model.safetensors or model.safetensors.index.json; config.json "
-    "alone gives random weights), or a config (a dict or JSON text with \"architectures\", or a "
+    "Hugging Face Qwen3ForCausalLM / LlamaForCausalLM as a transformers model object (or a "
+    "PEFT LoRA model of one, get_peft_model), a model directory (config.json with "
+    "model.safetensors or model.safetensors.index.json; config.json alone gives random "
+    "weights), or a config (a dict or JSON text with \"architectures\", or a "
     "transformers config object)")
 
 
@@ -122,16 +123,20 @@ def hf_directory(path):
     return config, has_weights
 
 
-def module_weights(module, engine_params, tied):
-    """(engine name, source tensor, module parameter name) for every engine parameter, taken from
-    the transformers model's state dict by Hugging Face name. `engine_params` holds (engine
-    name, Hugging Face name, shape) of every parameter, the names as the engine gives them
-    (``rp_param_hf_name``). Raises RoundPipeUnsupportedError, before anything is copied, when a
-    tensor is missing or of another shape, or when the module holds tensors the engine's model
-    has no place for (adapters, extra heads)."""
+def module_weights(module, engine_params, tied, state_name=None):
+    """(engine name, source tensor, module parameter name) for every parameter of
+    `engine_params`, taken from the transformers model's state dict by Hugging Face name.
+    `engine_params` holds (engine name, Hugging Face name, shape) of each parameter, the names
+    as the engine gives them (``rp_param_hf_name``); `state_name(hf_name)` is the module's
+    state-dict name of a Hugging Face name where they differ (a PEFT model's, roundpipe.lora).
+    Raises RoundPipeUnsupportedError, before anything is copied, when a tensor is missing or of
+    another shape, or when the module holds tensors the engine's model has no place for
+    (adapters the engine lacks, extra heads)."""
     state = module.state_dict()
+    local = state_name or (lambda name: name)
     out, used, problems = [], set(), []
-    for engine_name, name, shape in engine_params:
+    for engine_name, hf_name, shape in engine_params:
+        name = local(hf_name)
         tensor = state.get(name)
         if tensor is None:
             problems.append("%s (engine %s) is missing" % (name, engine_name))
@@ -141,18 +146,19 @@ def module_weights(module, engine_params, tied):
         else:
             out.append((engine_name, tensor, name))
         used.add(name)
-    if tied and "lm_head.weight" in state:
-        head, embed = state["lm_head.weight"], state.get("model.embed_tokens.weight")
+    head_name = local("lm_head.weight")
+    if tied and head_name in state:
+        head, embed = state[head_name], state.get(local("model.embed_tokens.weight"))
         if embed is not None and head.data_ptr() != embed.data_ptr() and \
                 not torch.equal(head, embed):
             problems.append("tie_word_embeddings is true but lm_head.weight differs from "
                             "model.embed_tokens.weight")
-        used.add("lm_head.weight")
+        used.add(head_name)
     extra = sorted(k for k in state if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         shown = ", ".join(extra[:8]) + (", ..." if len(extra) > 8 else "")
-        problems.append("the module holds tensors a plain %s has not: %s (merge or remove "
-                        "adapters and extra heads first)" % (hf_architecture(module), shown))
+        problems.append("the module holds tensors the engine's model has not: %s (merge or "
+                        "remove adapters and extra heads first)" % shown)
     if problems:
         raise RoundPipeUnsupportedError("cannot copy the weights of %s: %s"
                                         % (type(module).__name__, "; ".join(problems)))

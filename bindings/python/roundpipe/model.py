@@ -33,6 +33,7 @@ from .distributed import parse_data_parallel
 from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
 from .causal_lm import CausalLM, causal_lm_forward, causal_lm_forward_backward
 from .hf import hf_inputs, module_weights
+from .lora import LoraConfig, lora_config, lora_of_engine, peft_state_name
 from ._device_loss import python_loss
 from ._module_sync import copy_into_module
 from ._tree_call import layer_call, tree_inputs, tree_outputs
@@ -56,7 +57,9 @@ class RoundPipe(WeightsMixin):
             children are the layers, any other module is one layer; modules the engine
             implements run natively, every other one as a Python layer (functional_call over
             the parameters the engine lends, torch autograd), passing any pytree on; a transformers ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``
-            (built from its config, weights copied); a Hugging Face model directory
+            (built from its config, weights copied), or a PEFT LoRA model of one
+            (``get_peft_model``: the engine holds its adapters, see `lora`); a Hugging Face
+            model directory
             (config.json and safetensors weights; config.json alone gives random weights); or a
             Hugging Face config (dict or JSON text with "architectures", or a transformers
             config object; random weights). Causal LMs take input_ids, attention_mask and
@@ -102,12 +105,25 @@ class RoundPipe(WeightsMixin):
             takes rank 0's weights (also those copied in from an ``nn.Module``); the gradients
             are averaged over the ranks before each step. :attr:`rank` and :attr:`world_size`
             are the engine's answers.
+        lora: LoRA adapters on the decoder layers of a Hugging Face Qwen3 / Llama model
+            (docs/lora.md): a :class:`roundpipe.LoraConfig`, a dict of its fields (``r``,
+            ``lora_alpha``, ``lora_dropout``, ``target_modules``) or a ``peft.LoraConfig``
+            (RoundPipeUnsupportedError names a field the engine cannot follow: DoRA, rsLoRA,
+            rank / alpha patterns, some layers only, modules_to_save, a bias, a regular
+            expression as target_modules, an initialisation other than PEFT's default). Every
+            other parameter becomes frozen, held once in the model dtype. The adapters start as
+            PEFT initialises them (B zero); those of a PEFT model given as `model` are copied
+            from it (its own LoraConfig describes them: `lora` must then be None), and
+            :meth:`synchronize` writes the trained ones back into it. :attr:`lora` is the
+            engine's answer; :meth:`save_lora` / :meth:`load_lora` move adapters in PEFT's
+            format, :meth:`save_merged` writes the merged model. Other models refuse it.
     """
 
     def __init__(self, model, optim_dtype=None, name=None, model_run_config=None,
                  pin_model="alloc", *, model_dtype=None, devices=None, seed=None,
                  stage_plan=None, gpu_memory_cap=None, grad_scaler=None,
-                 host_memory="standard", skip_nonfinite_steps=True, data_parallel=None):
+                 host_memory="standard", skip_nonfinite_steps=True, data_parallel=None,
+                 lora=None):
         self._model = None  # first: close() must work if __init__ fails
         if name is None:
             name = call_site_name()
@@ -119,6 +135,12 @@ class RoundPipe(WeightsMixin):
         host_memory_mode = parse_host_memory(host_memory)
         data_parallel = parse_data_parallel(data_parallel)
         source = resolve_model(model)
+        if source.peft is not None:
+            if lora is not None:
+                raise RoundPipeUnsupportedError("lora=: the adapters of a PEFT model are those "
+                                                "its own LoraConfig made; leave lora=None")
+            lora = source.peft.config
+        lora = lora_config(lora)
         options = dict(
             model_dtype=parse_dtype(model_dtype if model_dtype is not None else source.dtype,
                                     "model_dtype"),
@@ -127,7 +149,8 @@ class RoundPipe(WeightsMixin):
             devices=parse_devices(devices), gpu_memory_cap=gpu_memory_cap,
             grad_scaler=parse_grad_scaler(grad_scaler),
             skip_nonfinite_steps=bool(skip_nonfinite_steps),
-            data_parallel=data_parallel.engine_values() if data_parallel else None)
+            data_parallel=data_parallel.engine_values() if data_parallel else None,
+            lora=lora.engine_values() if lora is not None else None)
         # The model's own plans (None: the planner's), restored after a call with a plan of its
         # own (execute_plan.check_call_plan).
         self._model_plan = model_stage_plan(stage_plan, model_run_config.execute_plan)
@@ -164,6 +187,8 @@ class RoundPipe(WeightsMixin):
         self.model = model if isinstance(model, nn.Module) else None
         self._original_model = self.model
         self._hf_config = source.config if source.is_hf else None
+        self._peft = source.peft  # the PEFT model's adapter layout, when built from one
+        self._hf_dir = source.path if source.kind == "hf_dir" else None
         # Hugging Face causal LMs return transformers' output objects (roundpipe.causal_lm)
         self._causal_lm = CausalLM(self.model, native=True, config=self._hf_config) \
             if self._hf_config is not None else None
@@ -174,6 +199,9 @@ class RoundPipe(WeightsMixin):
         except BaseException:
             self.close()
             raise
+        # The module's frozen tensors are the engine's (it was the source); only loads and the
+        # data-parallel broadcast change them, so synchronize() copies them only after those.
+        self._module_frozen_stale = False
 
     def _copy_module_weights(self, source):
         """Copy the weights of the module the model was built from, by engine name (an
@@ -186,8 +214,15 @@ class RoundPipe(WeightsMixin):
                 self._copy_in([(engine_name, p) for engine_name, p, _ in weights])
             return
         elif source.module is not None:
-            weights = module_weights(source.module, self._hf_params(),
-                                     bool(self._hf_config.get("tie_word_embeddings")))
+            params, state_name = self._hf_params(), None
+            if source.peft is not None:  # its adapters too, under PEFT's names
+                state_name = peft_state_name([hf_name for _, hf_name, _ in params], source.peft)
+            elif self.lora is not None:  # a plain model: the adapters keep the engine's init
+                adapters = {name for name, p in self._params.build() if p.requires_grad}
+                params = [entry for entry in params if entry[0] not in adapters]
+            weights = module_weights(source.module, params,
+                                     bool(self._hf_config.get("tie_word_embeddings")),
+                                     state_name)
         else:
             return
         self._copy_in([(engine_name, p) for engine_name, p, _ in weights])
@@ -291,6 +326,13 @@ class RoundPipe(WeightsMixin):
     def world_size(self) -> int:
         """The number of data-parallel processes (1 without data parallelism)."""
         return self._model.data_parallel()[1]
+
+    @property
+    def lora(self) -> Optional[LoraConfig]:
+        """The model's LoRA adapters as the engine reports them (``rp_model_lora``): a
+        :class:`roundpipe.LoraConfig` whose target_modules lists the adapted projections in
+        layer order, or None for a model without adapters."""
+        return lora_of_engine(*self._model.lora())
 
     @property
     def step_count(self):
@@ -709,11 +751,16 @@ class RoundPipe(WeightsMixin):
         parameters show the latest master weights and their .grad the gradients accumulated
         since the last step, and so does the nn.Module the model was built from (weights,
         buffers such as BatchNorm running statistics, and .grad of trainable parameters), as
-        upstream's synchronize() leaves it. Re-raises the exception of a failed async
-        step_fn."""
+        upstream's synchronize() leaves it (for a PEFT model: its adapters, so that PEFT's
+        own save_pretrained writes the trained ones). Frozen parameters are copied only when
+        a load or the data-parallel broadcast may have changed them. Re-raises the exception
+        of a failed async step_fn."""
         self._sync_engine()
         if self.model is not None and self._module_names:
-            copy_into_module(self._model.handle.value, self.model, self._module_names)
+            frozen = self._module_frozen_stale or self.world_size > 1
+            copy_into_module(self._model.handle.value, self.model, self._module_names,
+                             frozen=frozen)
+            self._module_frozen_stale = False
 
     def _sync_engine(self):
         model = self._model

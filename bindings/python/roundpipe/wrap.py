@@ -1,7 +1,8 @@
 """wrap_model_to_roundpipe: upstream's automatic entry point.
 
-Presets first (the engine's native Qwen3 / Llama; Python Sequential presets of transformers' own
-modules for other causal LMs, _hf_presets), then upstream's recursion over the module tree
+Presets first (the engine's native Qwen3 / Llama, PEFT LoRA models of them included; Python
+Sequential presets of transformers' own modules for other causal LMs, _hf_presets), then
+upstream's recursion over the module tree
 (API_model "Wrapping Strategy Details"): skip_modules, nn.Sequential, the own-parameter and size
 thresholds, nn.ModuleList element-wise, recursion into children; a root that could not be
 wrapped whole becomes an :class:`AutoRoundPipe`.
@@ -10,6 +11,7 @@ wrapped whole becomes an :class:`AutoRoundPipe`.
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, Container, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -22,6 +24,7 @@ from .config import RoundPipeRunConfig
 from .distributed import parse_data_parallel
 from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
+from .lora import peft_lora
 from .model import RoundPipe
 
 
@@ -106,13 +109,22 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
     1. Presets, unless ``use_sequential_preset=False``: a transformers
        ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` gets the engine's native preset (built from
        ``model.config``, weights copied; takes input_ids, attention_mask, position_ids, returns
-       logits, trains with ``loss_fn="causal_lm"``, saves with save_pretrained); another
-       transformers causal LM of a known shape (GPT-2; Llama-like decoders such as
-       Qwen3-MoE) becomes an nn.Sequential of its own modules, run as Python layers, that
-       takes input_ids (and attention_mask) and returns logits. ``use_sequential_preset=True``
+       logits, trains with ``loss_fn="causal_lm"``, saves with save_pretrained); so does a
+       PEFT LoRA model of one (``get_peft_model(model, LoraConfig(...))``), whose adapters the
+       engine holds (``RoundPipe(peft_model)``, docs/lora.md: base weights frozen, adapters
+       copied in, and written back into the PEFT model by synchronize(), so that PEFT's
+       save_pretrained saves the trained ones). A PEFT model the engine's adapters cannot
+       express (DoRA, rsLoRA, rank or alpha patterns, some layers only, modules_to_save,
+       several adapters, ...) takes the Python Sequential preset below, its base weights frozen
+       and adapters trained in transformers' and PEFT's own modules, with a warning naming the
+       reason. Another transformers causal LM of a known shape
+       (GPT-2; Llama-like decoders such as Qwen3-MoE, also inside a PEFT model) becomes an
+       nn.Sequential of its own modules, run as Python layers, that takes input_ids (and
+       attention_mask) and returns logits. ``use_sequential_preset=True``
        without a preset raises RoundPipeUnsupportedError (a NotImplementedError).
        ``native_preset=False`` (not upstream's) skips the native presets: a
-       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` then takes the Python Sequential preset too,
+       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (or a PEFT model of one) then takes the
+       Python Sequential preset too,
        every layer running transformers' own code (to run transformers' exact modules, or to
        compare the Python-layer path with the native one, as
        bench/python_layers/qwen3_python_layers_bench.py does).
@@ -153,13 +165,13 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
         return RoundPipe(module, name=name + suffix, model_run_config=config, **kwargs)
 
     if use_sequential_preset is not False:
-        if native_preset and hf_architecture(model) is not None:
+        base = peft_base_model(model)
+        if native_preset and _native(model, base):
             wrapped = build(model, model_run_config)
             wrapped.set_original_model(model)
             return wrapped
-        # A PEFT model (LoRA adapters inside its transformers model): the Python preset of the
-        # model it wraps, whose frozen base weights stay frozen and adapters train.
-        base = peft_base_model(model)
+        # A PEFT model the engine's adapters cannot express: the Python preset of the model it
+        # wraps, whose frozen base weights stay frozen and adapters train.
         preset = sequential_preset(base if base is not None else model)
         if preset is not None:
             wrapped = build(preset, model_run_config)
@@ -210,6 +222,25 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
         result.set_original_model(model)
         return result
     return AutoRoundPipe(result, inner)
+
+
+def _native(model, peft_base):
+    """Whether the engine's native preset takes `model`: a Qwen3 / Llama, or a PEFT model
+    (around `peft_base`) of one whose adapters the engine can hold; warns when a PEFT model of
+    a native architecture cannot take it."""
+    if hf_architecture(model) is not None:
+        return True
+    if peft_base is None or hf_architecture(peft_base) is None:
+        return False
+    try:
+        peft_lora(model, peft_base)
+    except RoundPipeUnsupportedError as exc:
+        warnings.warn("%s of %s: its adapters run in transformers' and PEFT's modules as "
+                      "Python layers, not the engine's native LoRA (%s)"
+                      % (type(model).__name__, type(peft_base).__name__, exc.message),
+                      stacklevel=3)
+        return False
+    return True
 
 
 def _device_count(devices):
