@@ -77,9 +77,14 @@ void check_adapter_config(const json &c, const LoraSpec &lora, const std::string
                                ", the model's is " + format_number(lora.alpha));
     const json *targets = value("target_modules");
     std::set<std::string> given;
+    // PEFT matches targets by their last dotted component, and writes the module paths it
+    // matched ("model.layers.0.self_attn.q_proj") when it was given "all-linear"; the tensor
+    // check below then requires exactly the model's adapters, layer by layer.
     if (targets && targets->is_array())
-        for (const json &t : *targets)
-            given.insert(t.is_string() ? t.get<std::string>() : t.dump());
+        for (const json &t : *targets) {
+            const std::string name = t.is_string() ? t.get<std::string>() : t.dump();
+            given.insert(name.substr(name.find_last_of('.') + 1));
+        }
     else if (targets && targets->is_string() && targets->get<std::string>() == "all-linear")
         given = {"all-linear"};
     const std::vector<std::string> names = lora_target_names(lora.targets);
