@@ -441,10 +441,10 @@ RP_API rp_status rp_model_options_set_devices(rp_model_options *options, int32_t
  * which each training call checks; CPU devices: Gloo, on the host). rp_model_create joins the
  * group (it blocks until every rank has joined, at most `timeout_ms`); before the first training
  * call every rank takes rank 0's weights. Checkpoint saves write on rank 0 only; loads read on
- * every rank. On CPU devices a rank whose collective does not complete within `timeout_ms`
- * (another rank died, hung or failed its call) fails its call with RP_ERR_IO; the group is then
- * unusable (RP_ERR_STATE) and the model must be created again on every rank. On GPUs such a
- * call does not yet return (the docs say what is known).
+ * every rank. A rank whose collective does not complete within `timeout_ms` (another rank
+ * died, hung or failed its call) fails its call with RP_ERR_IO (on GPUs the NCCL communicators
+ * are then aborted); the group is then unusable (RP_ERR_STATE) and the model must be created
+ * again on every rank.
  * @param rank 0 .. world_size - 1, or -1: $RANK.
  * @param world_size >= 1, or -1: $WORLD_SIZE; 0 turns data parallelism off (the default).
  * @param rendezvous "env://" ($MASTER_ADDR and $MASTER_PORT, as torchrun sets them; NULL means

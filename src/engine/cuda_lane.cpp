@@ -1,10 +1,13 @@
 // The GPU lane: four streams per GPU, ordered by CUDA events; pinned host memory for every
 // device-to-host copy, so copies in both directions are asynchronous.
 #include "engine/device_lane.h"
+
 #include "base/error.h"
 
 #ifdef RP_HAVE_CUDA
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -145,8 +148,13 @@ class CudaLane final : public DeviceLane {
     }
 
     void wait(const Transfer &transfer) override {
-        if (transfer.ready)
-            std::static_pointer_cast<Event>(transfer.ready)->synchronize();
+        if (!transfer.ready)
+            return;
+        const auto &event = std::static_pointer_cast<Event>(transfer.ready);
+        if (!watch_)
+            event->synchronize();
+        else
+            poll([&] { return event->query(); });
     }
 
     void compute_begin(size_t) override { compute_start_ = record(compute_); }
@@ -154,8 +162,12 @@ class CudaLane final : public DeviceLane {
 
     std::vector<TraceSpan> finish() override {
         c10::cuda::CUDAGuard guard(device_);
-        for (auto *s : {&weights_, &activations_, &compute_, &download_})
-            s->synchronize();
+        for (auto *s : {&weights_, &activations_, &compute_, &download_}) {
+            if (!watch_)
+                s->synchronize();
+            else
+                poll([&] { return s->query(); });
+        }
         std::lock_guard<std::mutex> lock(mutex_);
         std::vector<TraceSpan> spans;
         for (const Mark &m : marks_)
@@ -166,6 +178,14 @@ class CudaLane final : public DeviceLane {
     }
 
   private:
+    // Until `done()`: the watch between short sleeps (it throws to give up).
+    template <class Done> void poll(Done done) {
+        while (!done()) {
+            watch_();
+            std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+    }
+
     struct Mark {
         std::string what;
         size_t job;

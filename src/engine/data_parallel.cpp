@@ -16,6 +16,8 @@
 #ifdef RP_HAVE_C10D_NCCL
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -81,6 +83,8 @@ struct DataParallel::Group {
     std::vector<c10::cuda::CUDAStream> after_nccl; // per local GPU: waits for NCCL's results
     std::mutex mutex; // the device threads of one rank enqueue concurrently
     std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
+    std::vector<std::chrono::steady_clock::time_point> started; // of each in_flight entry
+    std::once_flag aborted;
 #endif
 };
 
@@ -91,12 +95,13 @@ namespace {
 // communicator or a connection set up at the first collective waits, without our timeout, for a
 // rank that may have died since: NCCL_RUNTIME_CONNECT=0 makes NCCL connect at set-up).
 //
-// A collective that does not complete within the timeout is caught by ProcessGroupNCCL's
-// watchdog (it logs the timeout), whose error handling is left at torch's default (as for DDP).
-// Known gap, measured with torch 2.11 and NCCL 2.28 on two H200s: after a rank died mid-call the
-// watchdog caught the timeout at 5 s, but the surviving rank's call had not returned 60 s later,
-// neither with the default handling nor with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up only).
-// The watchdog's debug dump, which never finished there, is off unless the user asks for it.
+// A collective whose peer died never completes: its kernel spins, and with torch's default error
+// handling the watchdog only logs the timeout (measured with torch 2.11 and NCCL 2.28 on two
+// H200s: the surviving rank's call had not returned 60 s later, with
+// TORCH_NCCL_ASYNC_ERROR_HANDLING=2 neither). So the model's waits for the GPUs poll and ask
+// watch_device_collectives(), which fails the call after the timeout and aborts the
+// communicators. The watchdog's debug dump, which never finished there, is off unless the user
+// asks for it.
 void add_device_groups(DataParallel::Group &g, const std::vector<at::Device> &devices, int rank,
                        int world, std::chrono::milliseconds timeout) {
     setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", /*overwrite=*/0);
@@ -251,9 +256,53 @@ std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &flat,
         fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") + e.what());
     }
     std::lock_guard<std::mutex> lock(g.mutex);
-    g.in_flight.push_back(w1);
-    g.in_flight.push_back(w2);
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto &w : {w1, w2}) {
+        g.in_flight.push_back(w);
+        g.started.push_back(now);
+    }
     return ready;
+}
+
+void DataParallel::watch_device_collectives() {
+    const std::string broken = why_broken();
+    if (!broken.empty())
+        fail(ErrorKind::Io, "data parallelism: rank " + std::to_string(rank_) + ": " + broken);
+    std::string failure;
+    {
+        std::lock_guard<std::mutex> lock(group_->mutex);
+        const auto now = std::chrono::steady_clock::now();
+        for (size_t i = 0; i < group_->in_flight.size() && failure.empty(); ++i) {
+            c10d::Work &w = *group_->in_flight[i];
+            try {
+                if (std::exception_ptr e = w.exception())
+                    std::rethrow_exception(e);
+                if (!w.isCompleted() && now - group_->started[i] >
+                                            std::chrono::milliseconds(timeout_ms_))
+                    failure = "a gradient all-reduce on the GPUs did not complete within " +
+                              std::to_string(timeout_ms_) + " ms";
+            } catch (const std::exception &e) {
+                failure = std::string("a gradient all-reduce on the GPUs failed: ") + e.what();
+            }
+        }
+    }
+    if (failure.empty())
+        return;
+    abort_device_groups();
+    fail_collective(failure);
+}
+
+void DataParallel::abort_device_groups() {
+    // On threads of their own: an abort that blocked would turn the hang this ends into another.
+    std::call_once(group_->aborted, [&] {
+        for (auto &pg : group_->nccl)
+            std::thread([pg] {
+                try {
+                    pg->abort();
+                } catch (...) {
+                }
+            }).detach();
+    });
 }
 
 void DataParallel::finish_device_collectives(bool report_failure) {
@@ -261,6 +310,7 @@ void DataParallel::finish_device_collectives(bool report_failure) {
     {
         std::lock_guard<std::mutex> lock(group_->mutex);
         works.swap(group_->in_flight);
+        group_->started.clear();
     }
     if (!report_failure)
         return;
@@ -279,6 +329,8 @@ std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &, const 
     fail(ErrorKind::Internal, "data parallelism: this build has no NCCL");
 }
 void DataParallel::finish_device_collectives(bool) {}
+void DataParallel::watch_device_collectives() {}
+void DataParallel::abort_device_groups() {}
 #endif
 
 #else // built without libtorch's Gloo headers
@@ -302,6 +354,8 @@ std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &, const 
     return nullptr;
 }
 void DataParallel::finish_device_collectives(bool) {}
+void DataParallel::watch_device_collectives() {}
+void DataParallel::abort_device_groups() {}
 
 #endif
 
@@ -312,6 +366,8 @@ DataParallel::DataParallel(std::unique_ptr<Group> group, int rank, int world_siz
 
 DataParallel::~DataParallel() {
 #ifdef RP_HAVE_C10D_NCCL
+    if (!why_broken().empty())
+        return; // aborted (or being aborted): a shutdown would wait for the dead rank
     for (auto &pg : group_->nccl)
         try {
             pg->shutdown(); // what torch.distributed.destroy_process_group does

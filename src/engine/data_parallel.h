@@ -70,6 +70,10 @@ class DataParallel {
     // After a call's jobs have finished (its downloads waited for the device collectives):
     // forgets them; with `report_failure`, fails if one of them failed.
     void finish_device_collectives(bool report_failure);
+    // Any thread, while waiting for the GPUs (the lanes' wait watch): throws rp::Error(Io) when a
+    // device collective failed or has not completed within the timeout (a rank died or hung),
+    // after asking NCCL to abort the communicators, whose kernels would otherwise spin forever.
+    void watch_device_collectives();
 
     struct Group; // the c10d objects, kept out of this header
 
@@ -89,6 +93,7 @@ class DataParallel {
     mutable std::mutex broken_mutex_;
     std::string broken_;
     size_t device_groups_ = 0; // NCCL groups, one per local GPU; 0: gradients on the host
+    void abort_device_groups(); // once; never blocks the caller
 };
 
 } // namespace rp

@@ -3,6 +3,7 @@
 // the host never waits; on a CPU device every transfer is the identity. Each lane also records
 // when its transfers and compute ran, for the timing record.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +72,15 @@ class DeviceLane {
     // Caller thread, at the end of a call: waits for everything this lane enqueued and returns
     // the call's timing record.
     virtual std::vector<TraceSpan> finish() = 0;
+
+    // Set once, before any call: wait() and finish() then poll instead of blocking and call
+    // `watch` while the device is not done; it throws to abandon the wait. Data parallelism on
+    // GPUs sets it: a collective whose peer died never completes, and a blocked wait would never
+    // return.
+    void set_wait_watch(std::function<void()> watch) { watch_ = std::move(watch); }
+
+  protected:
+    std::function<void()> watch_;
 };
 
 std::unique_ptr<DeviceLane> make_device_lane(at::Device device);

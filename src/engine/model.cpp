@@ -63,6 +63,8 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
         dp_ = DataParallel::join(o.data_parallel, name_, devices);
         if (!dp_->reduces_on_device())
             gradients_.set_data_parallel(dp_.get());
+        else // waits for the GPUs must notice a collective that a dead rank left hanging
+            pipeline_.set_wait_watch([dp = dp_.get()] { dp->watch_device_collectives(); });
     }
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;

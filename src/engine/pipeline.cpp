@@ -87,10 +87,19 @@ void Pipeline::run(CallContext &ctx) {
         workers_[d]->submit(std::move(per_worker[d]));
     std::exception_ptr error = state.wait_all();
     // The host waits for the devices only here, where the call's results are handed back.
+    // A lane's wait watch may give up on a device that will not finish (a dead rank's
+    // collective): that fails the call like a job failure.
+    bool devices_done = true;
     for (size_t d = 0; d < G; ++d) {
-        std::vector<TraceSpan> spans = workers_[d]->lane().finish();
-        for (TraceSpan &span : spans)
-            trace_[span.job].spans.push_back(span);
+        try {
+            std::vector<TraceSpan> spans = workers_[d]->lane().finish();
+            for (TraceSpan &span : spans)
+                trace_[span.job].spans.push_back(span);
+        } catch (...) {
+            devices_done = false;
+            if (!error)
+                error = std::current_exception();
+        }
     }
     cursor_ = (cursor_ + num_jobs) % G;
     ctx.state = nullptr;
@@ -99,7 +108,7 @@ void Pipeline::run(CallContext &ctx) {
         // out-of-memory call leaves the devices as empty as they were.
         ctx.stage_inputs.clear();
         ctx.outputs.clear();
-        if (!device(0).is_cpu())
+        if (!device(0).is_cpu() && devices_done) // freeing waits for the device
             release_cached_gpu_memory();
         std::rethrow_exception(error);
     }

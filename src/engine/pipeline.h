@@ -28,6 +28,11 @@ class Pipeline {
     // the first job failure after every job has unwound.
     void run(CallContext &ctx);
     const std::vector<JobTrace> &last_trace() const { return trace_; }
+    // Every lane's wait watch (DeviceLane::set_wait_watch); before any call.
+    void set_wait_watch(const std::function<void()> &watch) {
+        for (auto &w : workers_)
+            w->lane().set_wait_watch(watch);
+    }
 
   private:
     std::vector<std::unique_ptr<DeviceWorker>> workers_;

@@ -483,13 +483,6 @@ static void nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step(void *
 
 static void a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout(void **state) {
     (void)state;
-    if (ts_device_kind() == RP_DEVICE_CUDA) {
-        /* Known gap (src/engine/data_parallel.cpp, docs/several-machines.md): with NCCL the
-         * surviving rank's call did not return; only the Gloo path is held to this here. */
-        print_message("skipped on GPUs: a dead rank's NCCL collective is not yet turned into an "
-                      "error\n");
-        skip();
-    }
     two_ranks run = run_two_ranks("die", 120);
     assert_int_equal(run.status[1], 7); /* died in its loss callback */
     assert_int_equal(run.status[0], 0);

@@ -76,10 +76,9 @@ class DataParallel:
             sets them) or ``"tcp://host:port"`` (rank 0 hosts the engine's store there).
         timeout: seconds (or a ``datetime.timedelta``) a rank waits for the others, when the
             model is created and in every collective; None (default): the engine's (10
-            minutes). On CPU devices a rank that died, hung or failed its call makes the others'
-            calls raise RoundPipeError (``Status.IO``) within it; the model is unusable
-            afterwards (``Status.STATE``) and must be created again on every rank. On GPUs such
-            a call does not yet return (docs/several-machines.md).
+            minutes). A rank that died, hung or failed its call makes the others' calls raise
+            RoundPipeError (``Status.IO``) within it (CPU devices and GPUs); the model is
+            unusable afterwards (``Status.STATE``) and must be created again on every rank.
         global_loss: report each training call's loss as the mean over the ranks (one small
             collective per call; default False: this rank's own loss).
 

@@ -55,10 +55,9 @@ ranks' gradients are averaged before every optimizer step. `rendezvous` is `"env
 (`MASTER_ADDR` and `MASTER_PORT`, as torchrun sets them) or `"tcp://host:port"` (rank 0 hosts
 the store there). `timeout` (seconds; `nothing`: the engine's default, 10 minutes) is how long a
 rank waits for the others, when the model is created (which blocks until every rank has joined)
-and in every collective; before the first training call every rank takes rank 0's weights. On
-CPU devices a rank that died or hung makes the others' calls throw `RoundPipeError` with
-`RP_ERR_IO`, then `RP_ERR_STATE` (create the model again on every rank); on GPUs such a call
-does not yet return (docs/several-machines.md).
+and in every collective; before the first training call every rank takes rank 0's weights. A
+rank that died or hung makes the others' calls throw `RoundPipeError` with `RP_ERR_IO` (CPU
+devices and GPUs), then `RP_ERR_STATE` (create the model again on every rank).
 `global_loss`: each training call returns the mean loss over the ranks. The values are checked
 by `rp_model_options_set_data_parallel` when the model is made.
 """

@@ -345,10 +345,10 @@ impl ModelOptions {
     /// off (the default). `rendezvous`: `"env://"` (`$MASTER_ADDR` and `$MASTER_PORT`, as
     /// torchrun sets them; `None` means this) or `"tcp://host:port"` (rank 0 hosts the store).
     /// `timeout`: how long a rank waits for the others, at creation and in every collective
-    /// (rounded up to whole milliseconds; zero: 10 minutes). On CPU devices a rank that dies or
-    /// times out makes the others' calls fail with [`Status::Io`](crate::Status::Io), afterwards
-    /// [`Status::State`](crate::Status::State): create the model again on every rank. On GPUs
-    /// such a call does not yet return (docs/several-machines.md).
+    /// (rounded up to whole milliseconds; zero: 10 minutes). A rank that dies or times out
+    /// makes the others' calls fail with [`Status::Io`](crate::Status::Io) (CPU devices and
+    /// GPUs), afterwards [`Status::State`](crate::Status::State): create the model again on
+    /// every rank.
     /// Errors: [`Status::InvalidArgument`](crate::Status::InvalidArgument) for values out of
     /// range (the environment and the address are checked by `Model::new`).
     pub fn set_data_parallel(
