@@ -1,6 +1,6 @@
 """wrap_model_to_roundpipe: upstream's automatic entry point.
 
-Presets first (the engine's native Qwen3 / Llama; Python Sequential presets of transformers' own
+Presets first (the engine's native Qwen3 / Qwen3-MoE / Llama; Python Sequential presets of transformers' own
 modules for other causal LMs, _hf_presets), then upstream's recursion over the module tree
 (API_model "Wrapping Strategy Details"): skip_modules, nn.Sequential, the own-parameter and size
 thresholds, nn.ModuleList element-wise, recursion into children; a root that could not be
@@ -104,15 +104,16 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
     """Wrap `model` into a RoundPipe (or an AutoRoundPipe), as upstream does.
 
     1. Presets, unless ``use_sequential_preset=False``: a transformers
-       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` gets the engine's native preset (built from
+       ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``LlamaForCausalLM`` gets the engine's
+       native preset (built from
        ``model.config``, weights copied; takes input_ids, attention_mask, position_ids, returns
        logits, trains with ``loss_fn="causal_lm"``, saves with save_pretrained); another
        transformers causal LM of a known shape (GPT-2; Llama-like decoders such as
-       Qwen3-MoE) becomes an nn.Sequential of its own modules, run as Python layers, that
+       Mixtral) becomes an nn.Sequential of its own modules, run as Python layers, that
        takes input_ids (and attention_mask) and returns logits. ``use_sequential_preset=True``
        without a preset raises RoundPipeUnsupportedError (a NotImplementedError).
        ``native_preset=False`` (not upstream's) skips the native presets: a
-       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` then takes the Python Sequential preset too,
+       ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``LlamaForCausalLM`` then takes the Python Sequential preset too,
        every layer running transformers' own code (to run transformers' exact modules, or to
        compare the Python-layer path with the native one, as
        bench/python_layers/qwen3_python_layers_bench.py does).
