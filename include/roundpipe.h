@@ -481,7 +481,10 @@ RP_API rp_status rp_model_options_set_global_loss(rp_model_options *options, int
  *        the model seed, replayed exactly by the recompute).
  * @param target_modules comma-separated PEFT module names among q_proj, k_proj, v_proj, o_proj,
  *        gate_proj, up_proj, down_proj, or "all-linear" (all seven); NULL or "" means PEFT's
- *        default for Llama and Qwen3: "q_proj,v_proj". Borrowed; copied.
+ *        default for Llama and Qwen3: "q_proj,v_proj". Borrowed; copied. A Qwen3-MoE model
+ *        with sparse layers takes attention projections only (q_proj, k_proj, v_proj, o_proj):
+ *        its experts are stacked tensors, and rp_model_create_from_hf(_config) refuses the MLP
+ *        modules (and "all-linear") by name.
  * @return RP_OK or RP_ERR_INVALID_ARGUMENT (a value out of range; an unknown module, named).
  */
 RP_API rp_status rp_model_options_set_lora(rp_model_options *options, int32_t rank, double alpha,
@@ -1301,14 +1304,17 @@ RP_API rp_status rp_model_save(rp_model *model, const char *path);
 RP_API rp_status rp_model_load(rp_model *model, const char *path);
 
 /* ---------------------------------------------------------------------------------------------
- * Hugging Face models (Qwen3ForCausalLM, LlamaForCausalLM)
+ * Hugging Face models (Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM)
  *
  * A Hugging Face directory holds config.json and the weights, as model.safetensors or as shards
  * listed by model.safetensors.index.json. The model is the layer list token_embedding,
- * num_hidden_layers x decoder_layer, rms_norm, lm_head (docs/semantics.md); parameter "0.weight"
- * is "model.embed_tokens.weight", "<i>.<name>" of decoder layer i is
- * "model.layers.<i - 1>.<name>", then "model.norm.weight" and "lm_head.weight" (absent when
- * tie_word_embeddings: the LM head shares "0.weight").
+ * num_hidden_layers x decoder_layer (moe_decoder_layer for Qwen3-MoE's sparse layers), rms_norm,
+ * lm_head (docs/semantics.md); parameter "0.weight" is "model.embed_tokens.weight", "<i>.<name>"
+ * of decoder layer i is "model.layers.<i - 1>.<name>", then "model.norm.weight" and
+ * "lm_head.weight" (absent when tie_word_embeddings: the LM head shares "0.weight"). The stacked
+ * expert weights of a sparse layer (transformers 5's in-memory "mlp.experts.gate_up_proj" and
+ * "mlp.experts.down_proj") are read and written one tensor per expert and projection, as
+ * Qwen3-MoE checkpoints store them ("mlp.experts.<e>.gate_proj.weight", ...).
  * Inputs of rp_forward / rp_forward_backward: input 0 token ids [batch, seq] (int64 or int32);
  * optional input 1 attention mask [batch, seq] (non-zero: a real token, 0: padding); optional
  * input 2 position ids [batch, seq] (default 0 .. seq - 1 in every row). rp_forward returns the

@@ -1,5 +1,9 @@
 #include "hf/hf_config.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 namespace rp {
@@ -7,7 +11,8 @@ namespace {
 
 using json = nlohmann::json;
 
-const char *const kArchitectures[] = {"Qwen3ForCausalLM", "LlamaForCausalLM"};
+const char *const kArchitectures[] = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                      "LlamaForCausalLM"};
 
 // Typed reads of config entries with messages that name the file and the key. A key that is
 // absent or null takes the default of the transformers config class.
@@ -34,6 +39,15 @@ class ConfigReader {
     int64_t positive_or(const std::string &key, int64_t fallback) const {
         const json *v = find(root_, key);
         return v ? positive_value(*v, key) : fallback;
+    }
+
+    int64_t non_negative_or(const std::string &key, int64_t fallback) const {
+        const json *v = find(root_, key);
+        if (!v)
+            return fallback;
+        if (!v->is_number_integer() || v->get<int64_t>() < 0)
+            unsupported("\"" + key + "\" must be a non-negative integer, got " + v->dump());
+        return v->get<int64_t>();
     }
 
     double number(const json &obj, const std::string &key, double fallback) const {
@@ -118,6 +132,57 @@ RopeSpec read_rope(const json &root, const ConfigReader &r, int64_t max_position
     return rope;
 }
 
+// Qwen3MoeForCausalLM's sparse MLP, with Qwen3MoeConfig's defaults for absent keys.
+void read_moe(const json &root, const ConfigReader &r, HfModelConfig &c) {
+    // transformers 5 writes "num_local_experts" (Qwen3MoeConfig maps num_experts to it); the
+    // published checkpoints write "num_experts".
+    const json *experts = r.find(root, "num_experts");
+    const json *local = r.find(root, "num_local_experts");
+    if (experts && local && *experts != *local)
+        r.unsupported("\"num_experts\" (" + experts->dump() + ") and \"num_local_experts\" (" +
+                      local->dump() + ") disagree");
+    c.num_experts = r.non_negative_or(experts ? "num_experts" : "num_local_experts", 128);
+    c.experts_per_token = r.positive_or("num_experts_per_tok", 8);
+    if (c.num_experts > 0 && c.experts_per_token > c.num_experts)
+        r.unsupported("num_experts_per_tok (" + std::to_string(c.experts_per_token) +
+                      ") must not exceed num_experts (" + std::to_string(c.num_experts) + ")");
+    c.moe_intermediate = r.positive_or("moe_intermediate_size", 768);
+    if (c.moe_intermediate > std::numeric_limits<int64_t>::max() / 2) // gate_up holds 2x rows
+        r.unsupported("moe_intermediate_size " + std::to_string(c.moe_intermediate) +
+                      " is too large");
+    c.norm_topk_prob = r.flag("norm_topk_prob", false);
+    c.decoder_sparse_step = r.positive_or("decoder_sparse_step", 1);
+    if (const json *only = r.find(root, "mlp_only_layers")) {
+        if (!only->is_array())
+            r.unsupported("\"mlp_only_layers\" must be a list of layer indices, got " +
+                          only->dump());
+        for (const json &i : *only) {
+            if (!i.is_number_integer() || i.get<int64_t>() < 0 || i.get<int64_t>() >= c.layers)
+                r.unsupported("\"mlp_only_layers\" holds " + i.dump() +
+                              ", not a layer index in [0, num_hidden_layers = " +
+                              std::to_string(c.layers) + ")");
+            c.mlp_only_layers.push_back(i.get<int64_t>());
+        }
+    }
+    // transformers adds router_aux_loss_coef times the load-balancing loss of Switch
+    // Transformer to the labels= loss when output_router_logits is true. That loss is a product
+    // of two means over every token of the batch and every sparse layer (expert counts times
+    // router probabilities): its value and gradient for a token need the counts of all
+    // microbatches through all layers, which a pipeline that back-propagates the first
+    // microbatch before the last has gone forward does not have. It is refused rather than
+    // approximated per microbatch (docs/semantics.md, "Mixture-of-experts decoder layer").
+    const double coef = r.number(root, "router_aux_loss_coef", 0.001);
+    if (!std::isfinite(coef))
+        r.unsupported("\"router_aux_loss_coef\" must be finite, got " + std::to_string(coef));
+    if (r.flag("output_router_logits", false) && coef != 0.0)
+        r.unsupported("\"output_router_logits\": true is not supported: transformers then adds "
+                      "router_aux_loss_coef times the load-balancing loss, a product of means "
+                      "over all microbatches and sparse layers that a pipelined per-microbatch "
+                      "computation cannot reproduce; set \"output_router_logits\" to false (the "
+                      "loss is then the causal-LM loss alone, as transformers computes it by "
+                      "default) or \"router_aux_loss_coef\" to 0");
+}
+
 } // namespace
 
 HfModelConfig parse_hf_config(const std::string &json_text, const std::string &where,
@@ -143,8 +208,10 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
         known = known || c.architecture == a;
     if (!known)
         r.unsupported("architecture \"" + c.architecture +
-                      "\" is not supported (supported: Qwen3ForCausalLM, LlamaForCausalLM)");
+                      "\" is not supported (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+                      "LlamaForCausalLM)");
     const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
+    const bool qwen3_moe = c.architecture == "Qwen3MoeForCausalLM";
 
     c.vocab = r.positive("vocab_size");
     c.hidden = r.positive("hidden_size");
@@ -156,7 +223,8 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
         r.unsupported("num_attention_heads (" + std::to_string(c.heads) +
                       ") must be a multiple of num_key_value_heads (" + std::to_string(c.kv_heads) +
                       ")");
-    // Defaults of the transformers classes: Qwen3Config has head_dim 128, LlamaConfig derives it.
+    // Defaults of the transformers classes: Qwen3Config has head_dim 128, LlamaConfig and
+    // Qwen3MoeConfig derive it.
     if (!qwen3 && !r.find(root, "head_dim") && c.hidden % c.heads != 0)
         r.unsupported("hidden_size is not a multiple of num_attention_heads; give \"head_dim\"");
     c.head_dim = r.positive_or("head_dim", qwen3 ? 128 : c.hidden / c.heads);
@@ -173,16 +241,19 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
         r.unsupported("initializer_range must be in [0, 1]");
     c.tied = r.flag("tie_word_embeddings", false);
     c.attention_bias = r.flag("attention_bias", false);
-    c.mlp_bias = qwen3 ? false : r.flag("mlp_bias", false);
-    c.qk_norm = qwen3;
-    c.rope = read_rope(root, r, r.positive_or("max_position_embeddings", qwen3 ? 32768 : 2048));
+    c.mlp_bias = qwen3 || qwen3_moe ? false : r.flag("mlp_bias", false);
+    c.qk_norm = qwen3 || qwen3_moe;
+    c.rope = read_rope(root, r,
+                       r.positive_or("max_position_embeddings", qwen3 || qwen3_moe ? 32768 : 2048));
+    if (qwen3_moe)
+        read_moe(root, r, c);
 
     std::string act = r.text(root, "hidden_act", "silu");
     if (act != "silu")
         r.unsupported("hidden_act \"" + act + "\" is not supported (only \"silu\")");
     if (r.number(root, "attention_dropout", 0.0) != 0.0)
         r.unsupported("attention_dropout > 0 is not supported");
-    if (qwen3 && r.flag("use_sliding_window", false))
+    if ((qwen3 || qwen3_moe) && r.flag("use_sliding_window", false))
         r.unsupported("use_sliding_window is not supported");
     if (const json *types = r.find(root, "layer_types")) {
         if (!types->is_array())
@@ -194,6 +265,24 @@ HfModelConfig parse_hf_config(const std::string &json_text, const std::string &w
     }
     c.json_text = json_text;
     return c;
+}
+
+bool HfModelConfig::sparse_layer(int64_t i) const {
+    if (num_experts == 0 || (i + 1) % decoder_sparse_step != 0)
+        return false;
+    return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) == mlp_only_layers.end();
+}
+
+int64_t HfModelConfig::sparse_layer_count() const {
+    if (num_experts == 0)
+        return 0;
+    std::vector<int64_t> dense(mlp_only_layers);
+    std::sort(dense.begin(), dense.end());
+    dense.erase(std::unique(dense.begin(), dense.end()), dense.end());
+    int64_t count = layers / decoder_sparse_step;
+    for (int64_t i : dense)
+        count -= (i + 1) % decoder_sparse_step == 0 ? 1 : 0;
+    return count;
 }
 
 std::string hf_tensor_name(const HfModelConfig &c, const std::string &name) {
@@ -208,6 +297,40 @@ std::string hf_tensor_name(const HfModelConfig &c, const std::string &name) {
     if (layer == c.layers + 1)
         return "model.norm." + local;
     return "lm_head." + local;
+}
+
+namespace {
+
+bool ends_with(const std::string &s, const std::string &tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+} // namespace
+
+at::Tensor HfStoredTensor::part_of(const at::Tensor &param) const {
+    return expert < 0 ? param : param.select(0, expert).narrow(0, row, shape[0]);
+}
+
+std::vector<HfStoredTensor> hf_stored_tensors(const std::string &name,
+                                              const std::vector<int64_t> &shape) {
+    const std::string gate_up = ".experts.gate_up_proj", down = ".experts.down_proj";
+    const bool is_gate_up = ends_with(name, gate_up);
+    if ((!is_gate_up && !ends_with(name, down)) || shape.size() != 3)
+        return {{name, shape}};
+    const std::string prefix =
+        name.substr(0, name.size() - (is_gate_up ? gate_up : down).size()) + ".experts.";
+    std::vector<HfStoredTensor> stored;
+    for (int64_t e = 0; e < shape[0]; ++e) {
+        const std::string expert = prefix + std::to_string(e);
+        if (is_gate_up) {
+            const int64_t rows = shape[1] / 2;
+            stored.push_back({expert + ".gate_proj.weight", {rows, shape[2]}, e, 0});
+            stored.push_back({expert + ".up_proj.weight", {rows, shape[2]}, e, rows});
+        } else {
+            stored.push_back({expert + ".down_proj.weight", {shape[1], shape[2]}, e, 0});
+        }
+    }
+    return stored;
 }
 
 std::string hf_config_for_save(const HfModelConfig &c, at::ScalarType dtype) {

@@ -26,18 +26,60 @@ DecoderSpec decoder_spec(const HfModelConfig &c, double init_std, const LoraSpec
     return decoder;
 }
 
+MoeSpec moe_spec(const HfModelConfig &c) {
+    MoeSpec moe;
+    moe.experts = c.num_experts;
+    moe.top_k = c.experts_per_token;
+    moe.expert_hidden = c.moe_intermediate;
+    moe.norm_topk_prob = c.norm_topk_prob;
+    return moe;
+}
+
+// Decoder layer `i` (0-based) of the config: dense or mixture-of-experts.
+std::unique_ptr<Layer> make_hf_decoder_layer(const HfModelConfig &c, const DecoderSpec &decoder,
+                                             int64_t i) {
+    return c.sparse_layer(i) ? make_moe_decoder_layer(decoder, moe_spec(c))
+                             : make_decoder_layer(decoder);
+}
+
+// Adapters go where PEFT puts them on the dense models. On a Qwen3-MoE model PEFT adapts the
+// stacked experts and the router through parameter wrappers of its own, which RoundPipe does not
+// have: only the attention projections may carry adapters there.
+void check_lora_targets(const HfModelConfig &c, const LoraSpec &lora) {
+    const unsigned attention = (1u << (static_cast<int>(LoraTarget::O) + 1)) - 1;
+    if (c.sparse_layer_count() > 0 && (lora.targets & ~attention))
+        fail(ErrorKind::InvalidArgument,
+             "LoRA target modules " + lora_targets_text(lora.targets & ~attention) +
+                 " are not supported on the " + c.architecture +
+                 " of the config: its experts are stacked tensors, not projections; adapters "
+                 "exist on " +
+                 lora_targets_text(attention));
+}
+
 // A config is a few hundred bytes of text that may describe any number of layers: its host
-// memory is checked from one decoder layer's parameters before the layer list is built. With
-// LoRA only the adapters are trainable; the rest costs its held bytes.
+// memory is checked from one decoder layer of each kind (dense, mixture-of-experts) before the
+// layer list is built. With LoRA only the adapters are trainable; the rest costs its held bytes.
 void check_fits_host(const HfModelConfig &c, const ModelOptions &options, const LoraSpec &lora) {
-    const auto layer = make_decoder_layer(decoder_spec(c, 0.0, lora));
-    const int64_t per_layer = layer->own_param_elements();
-    const int64_t per_layer_trainable = layer->own_param_elements(true);
+    const DecoderSpec decoder = decoder_spec(c, 0.0, lora);
+    const int64_t sparse_layers = c.sparse_layer_count();
     int64_t total = 0, trainable = 0, embeddings = 0;
-    bool too_many = per_layer < 0 || __builtin_mul_overflow(per_layer, c.layers, &total) ||
-                    __builtin_mul_overflow(per_layer_trainable, c.layers, &trainable) ||
-                    __builtin_mul_overflow(c.vocab, c.hidden, &embeddings) ||
-                    (!c.tied && __builtin_add_overflow(embeddings, embeddings, &embeddings));
+    bool too_many = false;
+    for (const bool sparse : {false, true}) {
+        const int64_t count = sparse ? sparse_layers : c.layers - sparse_layers;
+        if (count == 0)
+            continue;
+        const auto layer =
+            sparse ? make_moe_decoder_layer(decoder, moe_spec(c)) : make_decoder_layer(decoder);
+        const int64_t per_layer = layer->own_param_elements();
+        const int64_t per_layer_trainable = layer->own_param_elements(true);
+        int64_t part = 0, part_trainable = 0;
+        too_many = too_many || per_layer < 0 || __builtin_mul_overflow(per_layer, count, &part) ||
+                   __builtin_mul_overflow(per_layer_trainable, count, &part_trainable) ||
+                   __builtin_add_overflow(total, part, &total) ||
+                   __builtin_add_overflow(trainable, part_trainable, &trainable);
+    }
+    too_many = too_many || __builtin_mul_overflow(c.vocab, c.hidden, &embeddings) ||
+               (!c.tied && __builtin_add_overflow(embeddings, embeddings, &embeddings));
     for (int64_t part : {embeddings, c.hidden})
         too_many = __builtin_add_overflow(total, part, &total) || too_many;
     if (!lora.enabled())
@@ -55,7 +97,7 @@ std::vector<std::unique_ptr<Layer>> hf_layers(const HfModelConfig &c, double ini
     std::vector<std::unique_ptr<Layer>> layers;
     layers.push_back(make_token_embedding(c.vocab, c.hidden, init_std));
     for (int64_t i = 0; i < c.layers; ++i)
-        layers.push_back(make_decoder_layer(decoder));
+        layers.push_back(make_hf_decoder_layer(c, decoder, i));
     layers.push_back(make_rms_norm(c.hidden, c.eps));
     layers.push_back(make_lm_head(c.hidden, c.vocab, c.tied ? "0.weight" : "", init_std,
                                   /*chunk_tokens=*/0));
@@ -83,19 +125,18 @@ std::vector<HfTensorSpec> tensor_specs(const HfModelConfig &config,
     return specs;
 }
 
-// The specs a Hugging Face checkpoint holds: all but the adapters.
-std::vector<HfTensorSpec> checkpoint_specs(const std::vector<HfTensorSpec> &all) {
-    std::vector<HfTensorSpec> specs;
-    for (const HfTensorSpec &spec : all)
-        if (!is_adapter_name(spec.name))
-            specs.push_back(spec);
-    return specs;
+// The tensors of the model's Hugging Face checkpoints: those of every parameter but the
+// adapters, with the shapes of `specs` (the store's order).
+void index_checkpoint_tensors(HfModelInfo &info, const std::vector<HfTensorSpec> &specs) {
+    for (size_t i : info.base_params)
+        for (HfStoredTensor &stored : hf_stored_tensors(specs[i].name, specs[i].shape))
+            info.checkpoint_tensors.push_back({i, std::move(stored)});
 }
 
-std::vector<HfTensorSpec> checkpoint_specs(const HfModelInfo &info, const Model &model) {
+std::vector<HfTensorSpec> checkpoint_specs(const HfModelInfo &info) {
     std::vector<HfTensorSpec> specs;
-    for (size_t i : info.base_params)
-        specs.push_back({info.tensor_names[i], model.params().at(i).master.sizes().vec()});
+    for (const HfCheckpointTensor &t : info.checkpoint_tensors)
+        specs.push_back({t.stored.name, t.stored.shape});
     return specs;
 }
 
@@ -162,8 +203,10 @@ void install(Model &m, const HfModelInfo &info, const HfCheckpoint &ckpt,
              ProgressReport &progress) {
     m.synchronize();
     at::NoGradGuard no_grad;
-    for (size_t i = 0; i < ckpt.tensors.size(); ++i)
-        copy_reporting(m.params().at(info.base_params[i]).master, ckpt.tensors[i], progress);
+    for (size_t i = 0; i < ckpt.tensors.size(); ++i) {
+        const HfCheckpointTensor &t = info.checkpoint_tensors[i];
+        copy_reporting(t.stored.part_of(m.params().at(t.param).master), ckpt.tensors[i], progress);
+    }
     m.synchronize();
     m.zero_grad();
     progress.finish();
@@ -173,19 +216,14 @@ void install(Model &m, const HfModelInfo &info, const HfCheckpoint &ckpt,
 
 HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options,
                         const LoraSpec &lora, const std::string *dir) {
-    if (lora.enabled())
+    if (lora.enabled()) {
         check_lora_spec(lora);
+        check_lora_targets(config, lora);
+    }
     check_fits_host(config, options, lora);
     // Weights that a checkpoint overwrites are not drawn first (init_std 0: zero-filled).
     auto layers = hf_layers(config, dir ? 0.0 : config.init_std, lora);
-    std::vector<HfTensorSpec> specs = tensor_specs(config, layers);
-    HfCheckpoint ckpt;
-    std::unique_ptr<ProgressReport> progress;
-    if (dir) {
-        ckpt = open_hf_checkpoint(*dir, checkpoint_specs(specs), ignored_tensors(config));
-        // Reported from here: building the model below takes part of the time.
-        progress = std::make_unique<ProgressReport>("load " + *dir, checkpoint_bytes(ckpt));
-    }
+    const std::vector<HfTensorSpec> specs = tensor_specs(config, layers);
     HfModel out;
     out.info = std::make_unique<HfModelInfo>();
     out.info->config = config;
@@ -193,6 +231,14 @@ HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options
     for (const HfTensorSpec &spec : specs)
         out.info->tensor_names.push_back(spec.name);
     index_adapters(*out.info);
+    index_checkpoint_tensors(*out.info, specs);
+    HfCheckpoint ckpt;
+    std::unique_ptr<ProgressReport> progress;
+    if (dir) {
+        ckpt = open_hf_checkpoint(*dir, checkpoint_specs(*out.info), ignored_tensors(config));
+        // Reported from here: building the model below takes part of the time.
+        progress = std::make_unique<ProgressReport>("load " + *dir, checkpoint_bytes(ckpt));
+    }
     out.model = std::make_unique<Model>(std::move(layers), options);
     if (out.model->params().size() != specs.size())
         fail(ErrorKind::Internal, "the parameter store holds " +
@@ -208,7 +254,7 @@ HfModel create_hf_model(const HfModelConfig &config, const ModelOptions &options
 
 void load_hf_weights(Model &model, HfModelInfo &info, const std::string &dir) {
     HfCheckpoint ckpt =
-        open_hf_checkpoint(dir, checkpoint_specs(info, model), ignored_tensors(info.config));
+        open_hf_checkpoint(dir, checkpoint_specs(info), ignored_tensors(info.config));
     ProgressReport progress("load " + dir, checkpoint_bytes(ckpt));
     install(model, info, ckpt, progress);
     info.layout = ckpt.layout;
@@ -218,8 +264,8 @@ void save_hf_model(Model &model, const HfModelInfo &info, const std::string &dir
     model.synchronize();
     const ParamStore &store = model.params();
     std::vector<NamedTensor> tensors;
-    for (size_t i : info.base_params)
-        tensors.push_back({info.tensor_names[i], store.at(i).live});
+    for (const HfCheckpointTensor &t : info.checkpoint_tensors)
+        tensors.push_back({t.stored.name, t.stored.part_of(store.at(t.param).live)});
     const double scaling = info.lora.enabled() ? info.lora.scaling() : 0.0;
     for (const LoraPair &pair : info.lora_pairs) {
         NamedTensor &nt = *std::find_if(tensors.begin(), tensors.end(), [&](const NamedTensor &t) {

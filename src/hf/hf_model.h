@@ -16,6 +16,13 @@ struct LoraPair {
     size_t base, a, b;
 };
 
+// A tensor of the model's Hugging Face checkpoints: the parameter (index in the parameter store)
+// it is part of, and where.
+struct HfCheckpointTensor {
+    size_t param;
+    HfStoredTensor stored;
+};
+
 // What a model built from a Hugging Face config keeps for saving it back.
 struct HfModelInfo {
     HfModelConfig config;
@@ -25,6 +32,7 @@ struct HfModelInfo {
     std::vector<std::string> tensor_names;
     LoraSpec lora;                      // rank 0: no adapters
     std::vector<size_t> base_params;    // the parameters a Hugging Face checkpoint holds
+    std::vector<HfCheckpointTensor> checkpoint_tensors; // theirs, in checkpoint order
     std::vector<size_t> adapter_params; // the LoRA adapters' (A, B of each projection)
     std::vector<LoraPair> lora_pairs;
 };

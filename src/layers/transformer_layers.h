@@ -1,6 +1,7 @@
-// Layers of decoder-only transformers of the Llama and Qwen3 families: token embedding, decoder
-// layer (pre-norm attention with RoPE and grouped-query heads, SwiGLU MLP) and the LM head that
-// fuses the causal-LM loss. docs/semantics.md states what each computes.
+// Layers of decoder-only transformers of the Llama, Qwen3 and Qwen3-MoE families: token
+// embedding, decoder layer (pre-norm attention with RoPE and grouped-query heads, SwiGLU MLP),
+// mixture-of-experts decoder layer (the same attention, then routed SwiGLU experts) and the LM
+// head that fuses the causal-LM loss. docs/semantics.md states what each computes.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -58,6 +59,20 @@ std::unique_ptr<Layer> make_token_embedding(int64_t num, int64_t dim, double ini
 // One decoder layer. Side inputs: [0] attention mask [batch, seq] (non-zero: attend), [1]
 // position ids [batch, seq] or [1, seq]; both optional.
 std::unique_ptr<Layer> make_decoder_layer(const DecoderSpec &spec);
+
+// The sparse MLP of a mixture-of-experts decoder layer (Qwen3-MoE): a router over `experts`
+// SwiGLU experts of width `expert_hidden`, of which each token uses its `top_k` most probable.
+struct MoeSpec {
+    int64_t experts = 0;
+    int64_t top_k = 0;
+    int64_t expert_hidden = 0;   // moe_intermediate_size
+    bool norm_topk_prob = false; // renormalise the top-k probabilities to sum to 1
+};
+
+// A decoder layer whose MLP is `moe`'s (src/layers/moe_decoder_layer.cpp); the attention half is
+// the decoder layer's, adapters included. `spec.hidden` and `spec.mlp_bias` are unused (the
+// experts have no biases); LoRA adapters exist on the attention projections only.
+std::unique_ptr<Layer> make_moe_decoder_layer(const DecoderSpec &spec, const MoeSpec &moe);
 
 // Projection to the vocabulary (src/layers/lm_head.cpp). With integer labels in its context (training, fused tail stage)
 // it returns the sum of the shifted token cross entropies of the microbatch as a 0-d fp32

@@ -27,6 +27,14 @@ static const char *LLAMA_TIED =
     " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
     " \"num_key_value_heads\": 2, \"tie_word_embeddings\": true, \"torch_dtype\": \"float32\"}";
 
+/* Layer 0 sparse (4 experts, top-2), layer 1 dense (mlp_only_layers). */
+static const char *QWEN3_MOE =
+    "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 40, \"hidden_size\": 32,"
+    " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
+    " \"num_key_value_heads\": 2, \"head_dim\": 8, \"num_experts\": 4,"
+    " \"num_experts_per_tok\": 2, \"moe_intermediate_size\": 16, \"mlp_only_layers\": [1],"
+    " \"norm_topk_prob\": true, \"output_router_logits\": false, \"dtype\": \"float32\"}";
+
 enum { NUM_LAYERS = 2 };
 
 /* ---- helpers ---------------------------------------------------------------------------- */
@@ -491,6 +499,100 @@ static void unsupported_architectures_and_features_are_rejected_by_name(void **s
     assert_null(m);
 }
 
+/* QWEN3_MOE with `key` set to `value` (the key's last occurrence wins in the parser). */
+static char *moe_with(const char *key, const char *value) {
+    char *config = malloc(4096);
+    snprintf(config, 4096, "%.*s, \"%s\": %s}", (int)(strlen(QWEN3_MOE) - 1), QWEN3_MOE, key,
+             value);
+    return config;
+}
+
+static void unsupported_qwen3_moe_values_are_rejected_by_key(void **state) {
+    (void)state;
+    static const struct {
+        const char *key, *value, *needle;
+    } bad[] = {
+        {"output_router_logits", "true", "output_router_logits"},
+        {"num_experts_per_tok", "5", "num_experts_per_tok"},
+        {"num_experts", "-4", "num_experts"},
+        {"num_local_experts", "8", "num_local_experts"},
+        {"moe_intermediate_size", "0", "moe_intermediate_size"},
+        {"decoder_sparse_step", "0", "decoder_sparse_step"},
+        {"mlp_only_layers", "[2]", "mlp_only_layers"},
+        {"mlp_only_layers", "[0.5]", "mlp_only_layers"},
+        {"norm_topk_prob", "1", "norm_topk_prob"},
+        {"router_aux_loss_coef", "\"x\"", "router_aux_loss_coef"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+        char *config = moe_with(bad[i].key, bad[i].value);
+        rp_model *m = NULL;
+        TS_ERR(rp_model_create_from_hf_config(&m, config, NULL), RP_ERR_INVALID_ARGUMENT,
+               bad[i].needle);
+        assert_null(m);
+        free(config);
+    }
+    /* A zero coefficient leaves transformers' loss unchanged: accepted. */
+    char *config = moe_with("router_aux_loss_coef", "0.0, \"output_router_logits\": true");
+    rp_model *m = NULL;
+    TS_OK(rp_model_create_from_hf_config(&m, config, NULL));
+    rp_model_destroy(m);
+    free(config);
+}
+
+/* LoRA on a Qwen3-MoE model: adapters on the attention projections of both layers (the sparse
+ * one included), everything else frozen, and it trains; the MLP modules, which PEFT adapts
+ * through wrappers of its own on these models, are refused by name before anything exists. */
+static void qwen3_moe_lora_adapts_attention_and_refuses_mlp_targets(void **state) {
+    (void)state;
+    static const char *refused[] = {"q_proj,gate_proj", "down_proj", "all-linear"};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; ++i) {
+        rp_model_options *opts = NULL;
+        TS_OK(rp_model_options_create(&opts));
+        TS_OK(rp_model_options_set_lora(opts, 4, 8.0, 0.0, refused[i]));
+        rp_model *m = NULL;
+        TS_ERR(rp_model_create_from_hf_config(&m, QWEN3_MOE, opts), RP_ERR_INVALID_ARGUMENT,
+               "not supported", "q_proj,k_proj,v_proj,o_proj");
+        assert_null(m);
+        rp_model_options_destroy(opts);
+    }
+    rp_model_options *opts = NULL;
+    TS_OK(rp_model_options_create(&opts));
+    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
+    TS_OK(rp_model_options_set_lora(opts, 4, 8.0, 0.0, "q_proj,o_proj"));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create_from_hf_config(&m, QWEN3_MOE, opts));
+    rp_model_options_destroy(opts);
+    size_t count = 0, trainable = 0;
+    TS_OK(rp_param_count(&count, m));
+    for (size_t i = 0; i < count; ++i) {
+        const char *name = NULL;
+        int32_t kind = -1;
+        TS_OK(rp_param_name(&name, m, i));
+        TS_OK(rp_param_kind_of(&kind, m, i));
+        const int adapter = strstr(name, ".lora_") != NULL;
+        assert_int_equal(kind, adapter ? RP_PARAM_TRAINABLE : RP_PARAM_FROZEN);
+        trainable += (size_t)adapter;
+    }
+    assert_int_equal(trainable, 2 * 2 * NUM_LAYERS); /* A and B of q_proj and o_proj, per layer */
+    size_t index = 0;
+    TS_OK(rp_param_find(&index, m, "1.self_attn.o_proj.lora_B.weight"));
+    TS_OK(rp_param_find(&index, m, "1.mlp.experts.gate_up_proj"));
+
+    int64_t shape[2] = {4, 5};
+    int64_t ids[20] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 39, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+    DLManagedTensor *in = ts_i64(2, shape, ids), *lab = ts_i64(2, shape, ids);
+    const DLManagedTensor *inputs[1] = {in};
+    rp_loss *lm = NULL;
+    TS_OK(rp_loss_create(&lm, RP_LOSS_CAUSAL_LM));
+    double loss = 0;
+    TS_OK(rp_forward_backward(&loss, NULL, m, inputs, 1, lab, lm, NULL));
+    assert_true(isfinite(loss) && loss > 0);
+    rp_loss_destroy(lm);
+    ts_free(in);
+    ts_free(lab);
+    rp_model_destroy(m);
+}
+
 /* ---- arguments -------------------------------------------------------------------------- */
 
 static void bad_arguments_give_messages_and_the_model_still_trains(void **state) {
@@ -604,6 +706,8 @@ int main(void) {
         cmocka_unit_test(bf16_model_saves_bf16_tensors_and_a_bf16_config),
         cmocka_unit_test(sharded_checkpoint_in_mixed_dtypes_loads_and_saves_in_the_same_shards),
         cmocka_unit_test(bad_transformer_specs_name_the_layer),
+        cmocka_unit_test(unsupported_qwen3_moe_values_are_rejected_by_key),
+        cmocka_unit_test(qwen3_moe_lora_adapts_attention_and_refuses_mlp_targets),
     };
     const struct CMUnitTest errors[] = {
         cmocka_unit_test_setup(good_checkpoints_load_into_the_target_and_back, fresh_dir),

@@ -47,6 +47,12 @@ QWEN3_F16 = dict(QWEN3, dtype="float16", hidden_act="silu", rms_norm_eps=1e-6,
                  rope_scaling={"rope_type": "linear", "factor": 2.0},
                  use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
                  layer_types=["full_attention"])
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 16, "hidden_size": 8,
+             "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": [1], "output_router_logits": False,
+             "router_aux_loss_coef": 0.001, "dtype": "float32"}
 
 SPECS = [
     {"layers": [{"type": "linear", "in": 8, "out": 16}, {"type": "gelu"},
@@ -188,7 +194,7 @@ def main():
             write("fuzz_spec", f"spec_{i}.json", json.dumps(spec))
 
         configs = {"qwen3": QWEN3, "llama_tied": LLAMA_TIED, "llama3_rope": LLAMA3_ROPE,
-                   "qwen3_f16": QWEN3_F16}
+                   "qwen3_f16": QWEN3_F16, "qwen3_moe": QWEN3_MOE}
         for name, cfg in configs.items():
             write("fuzz_hf_config", f"{name}.json", json.dumps(cfg))
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""RoundPipe's Qwen3 and Llama against Hugging Face transformers.
+"""RoundPipe's Qwen3, Qwen3-MoE and Llama against Hugging Face transformers.
 
     python3 tests/gpu/hf_compare.py [--device cuda|cpu] [--devices N]
 
 For tiny Qwen3 and Llama configs (2 layers, hidden 64, 4 query : 2 key-value heads, tied and
-untied embeddings, Llama with llama3 rope scaling and attention biases), transformers builds a
+untied embeddings, Llama with llama3 rope scaling and attention biases) and a tiny Qwen3-MoE (3
+layers, layer 1 dense, 4 experts of width 32, top-2; on GPUs its bf16 experts run as grouped
+GEMMs), transformers builds a
 model with random weights and saves it with save_pretrained (one file, or small shards); RoundPipe
 loads the directory (rp_model_create_from_hf) and both compute, on a right-padded batch:
   * logits of every real token (rp_forward; the attention mask is input 1),
@@ -15,6 +17,11 @@ sides in bf16) logits, loss and gradients 2e-2 (a bf16 gradient further off stil
 is no further from the fp32 gradient than 1.5x transformers' own bf16 gradient is). The reverse direction: RoundPipe takes an AdamW
 step, saves with rp_model_save_hf, transformers loads the directory and its logits must match
 RoundPipe's (fp32, 1e-4); a sharded checkpoint is saved back with the same shards.
+Qwen3-MoE's routers are drawn with std 0.5 (not 0.02) so that routing is not near-uniform, and
+the fp32 comparison first checks that it is well posed: every token's k-th and (k+1)-th router
+logits are 1e-4 apart or more, far beyond fp32 rounding, so no top-k choice can differ between
+the two implementations. In bf16 a few near-ties do flip (in transformers' own bf16 too); the
+tolerances above cover that.
 On CUDA, a last check trains a model with vocabulary 151936 on 8192 tokens and asserts that the
 peak GPU memory stays below the size of the full logits tensor (the loss is chunked).
 
@@ -39,7 +46,8 @@ SKIP = 77
 try:
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 except ImportError as e:  # pragma: no cover - depends on the machine
     print("SKIP: %s" % e)
     sys.exit(SKIP)
@@ -201,7 +209,35 @@ def tiny_configs():
                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 32},
                                 **common)))
+    out.append(("qwen3-moe", Qwen3MoeForCausalLM,
+                 Qwen3MoeConfig(head_dim=16, rope_theta=1000000.0, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                mlp_only_layers=[1], norm_topk_prob=True,
+                                **dict(common, num_hidden_layers=3))))
     return out
+
+
+def widen_routers(model):
+    """Routers drawn with std 0.5: tokens prefer experts clearly (initializer_range 0.02 makes
+    the router probabilities nearly uniform)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0.0, 0.5)
+
+
+def routing_margin(model, ids, mask):
+    """The smallest gap between a token's k-th and (k+1)-th router logit (fp32), over the
+    batch's real tokens and the sparse layers."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    real = mask.bool().reshape(-1)
+    gaps = []
+    for logits in out.router_logits:
+        top = logits.float()[real].sort(-1, descending=True).values
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+    return min(gaps)
 
 
 def batch(vocab, seed):
@@ -223,11 +259,17 @@ def compare_family(name, cls, config, args, root):
     kind = _capi.RP_DEVICE_CUDA if args.device == "cuda" else _capi.RP_DEVICE_CPU
     torch.manual_seed(1234)
     ref = cls(config).eval()
+    moe = cls is Qwen3MoeForCausalLM
+    if moe:
+        widen_routers(ref)
     ckpt = os.path.join(root, name)
     shard = "30KB" if "qwen3" in name else None
     ref.save_pretrained(ckpt, **({"max_shard_size": shard} if shard else {}))
     ids, mask, labels = batch(config.vocab_size, 7)
     real = mask.bool()
+    if moe:
+        margin = routing_margin(ref, ids, mask)
+        check("%s routing well posed" % name, margin > 1e-4, "min top-k logit gap %.2e" % margin)
     L = config.num_hidden_layers
     hf32 = {}  # transformers' fp32 gradients, the truth the bf16 gradients are measured against
 
@@ -237,6 +279,8 @@ def compare_family(name, cls, config, args, root):
         if tdtype == torch.bfloat16 and args.device == "cpu" and not args.bf16_on_cpu:
             continue
         model = cls.from_pretrained(ckpt, dtype=tdtype, attn_implementation="sdpa").to(device)
+        if moe and hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation("eager")  # modeling_qwen3_moe.py's own loop
         model.train()  # no dropout in these configs; train mode as RoundPipe's training call
         rp = RP.from_hf(ckpt, rp_dtype, kind, args.devices)
         try:

@@ -1,7 +1,8 @@
 """Hugging Face causal LMs without a native engine preset train through
 wrap_model_to_roundpipe as Python layers of their own transformers modules (issue 13).
 
-A tiny Qwen3-MoE and a tiny GPT-2 with random weights; the reference is transformers itself on a
+A tiny Mixtral (a mixture-of-experts Llama-like decoder: Qwen3-MoE has native layers now) and a
+tiny GPT-2 with random weights; the reference is transformers itself on a
 deep copy: per microbatch, ``model(input_ids=..., labels=...).loss / num_microbatch`` and
 backward, then the same SGD step. Compared: losses of 3 steps, logits, and the weights the
 wrapped module holds after synchronize().
@@ -30,13 +31,12 @@ N_MB = 3
 VOCAB = 64
 
 
-def qwen3_moe():
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        tie_word_embeddings=False)
-    return transformers.Qwen3MoeForCausalLM(cfg)
+def mixtral():
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.MixtralForCausalLM(cfg)
 
 
 def gpt2():
@@ -53,7 +53,7 @@ def causal_lm_loss(logits, labels):
                                              labels[:, 1:].flatten()) / N_MB
 
 
-@pytest.mark.parametrize("make", [qwen3_moe, gpt2], ids=["qwen3_moe", "gpt2"])
+@pytest.mark.parametrize("make", [mixtral, gpt2], ids=["mixtral", "gpt2"])
 def test_losses_match_transformers(make):
     torch.manual_seed(0)
     hf = make().float()

@@ -18,7 +18,7 @@ without copies.
         model.step(step_fn)
     model.synchronize()
 
-Hugging Face Qwen3 / Llama causal LMs come in through wrap_model_to_roundpipe(transformers_model),
+Hugging Face Qwen3 / Qwen3-MoE / Llama causal LMs come in through wrap_model_to_roundpipe(transformers_model),
 RoundPipe("path/to/hf_dir") or RoundPipe(config_dict), train with loss_fn="causal_lm" and save
 with save_pretrained(dir) (see the README). LoRA adapters live in the engine too:
 RoundPipe(model, lora=LoraConfig(...)), or a PEFT LoRA model (get_peft_model) of one of these

@@ -6,7 +6,7 @@ an output adapter (final norm, LM head). Every layer is a Python layer running t
 code; the tuple (hidden states, mask, position ids, rotary tables) passes between them.
 
 Two shapes are known: GPT-2 (``transformer.wte/wpe/h/ln_f``) and the Llama-like decoders of
-transformers (``model.embed_tokens/layers/norm/rotary_emb``: Qwen3-MoE, Qwen2, Mistral, ...).
+transformers (``model.embed_tokens/layers/norm/rotary_emb``: Mixtral, Qwen2, Mistral, ...).
 Weights tied across the adapters (GPT-2's ``lm_head`` and ``wte``) become two copies, each
 trained by its own layer's gradient: tie_word_embeddings=False models train as transformers does.
 """

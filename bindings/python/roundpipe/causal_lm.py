@@ -1,6 +1,6 @@
 """Hugging Face causal LMs that look like their transformers forms.
 
-A RoundPipe of a causal LM (the engine's native Qwen3 / Llama, or a Python Sequential preset of
+A RoundPipe of a causal LM (the engine's native Qwen3 / Qwen3-MoE / Llama, or a Python Sequential preset of
 a transformers model, PEFT LoRA models included) computes logits. Through :class:`CausalLM`
 the binding gives them the shape transformers users expect, as upstream's presets do:
 

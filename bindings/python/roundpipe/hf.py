@@ -1,8 +1,10 @@
-"""Hugging Face causal LMs (Qwen3ForCausalLM, LlamaForCausalLM) for the engine.
+"""Hugging Face causal LMs (Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM) for the
+engine.
 
 The engine builds these models itself from a config.json text (``rp_model_create_from_hf_config``)
 or a model directory (``rp_model_create_from_hf``), as the layer list token_embedding,
-num_hidden_layers x decoder_layer, rms_norm, lm_head (docs/semantics.md). This module decides
+num_hidden_layers x decoder_layer (moe_decoder_layer for Qwen3-MoE's sparse layers), rms_norm,
+lm_head (docs/semantics.md). This module decides
 which of those a Python object asks for, matches a transformers model's tensors to the engine's
 parameters (by the Hugging Face names the engine gives them, ``rp_param_hf_name``), and turns the
 keyword inputs of a Hugging Face forward call into the engine's positional inputs.
@@ -19,8 +21,9 @@ import torch
 
 from .errors import RoundPipeUnsupportedError
 
-HF_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
-_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+HF_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
+_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "llama": "LlamaForCausalLM"}
 
 #: The engine's inputs of a causal LM, in order (input 0, 1, 2).
 HF_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
@@ -33,9 +36,9 @@ _OTHER_WEIGHT_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_
                        "flax_model.msgpack", "model.ckpt.index")
 
 SUPPORTED_HF = (
-    "Hugging Face Qwen3ForCausalLM / LlamaForCausalLM as a transformers model object (or a "
-    "PEFT LoRA model of one, get_peft_model), a model directory (config.json with "
-    "model.safetensors or model.safetensors.index.json; config.json alone gives random "
+    "Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM as a transformers "
+    "model object (or a PEFT LoRA model of one, get_peft_model), a model directory (config.json "
+    "with model.safetensors or model.safetensors.index.json; config.json alone gives random "
     "weights), or a config (a dict or JSON text with \"architectures\", or a "
     "transformers config object)")
 

@@ -1,8 +1,8 @@
 """wrap_model_to_roundpipe: upstream's automatic entry point.
 
-Presets first (the engine's native Qwen3 / Llama, PEFT LoRA models of them included; Python
-Sequential presets of transformers' own modules for other causal LMs, _hf_presets), then
-upstream's recursion over the module tree
+Presets first (the engine's native Qwen3 / Qwen3-MoE / Llama, PEFT LoRA models of them
+included; Python Sequential presets of transformers' own modules for other causal LMs,
+_hf_presets), then upstream's recursion over the module tree
 (API_model "Wrapping Strategy Details"): skip_modules, nn.Sequential, the own-parameter and size
 thresholds, nn.ModuleList element-wise, recursion into children; a root that could not be
 wrapped whole becomes an :class:`AutoRoundPipe`.
@@ -107,7 +107,8 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
     """Wrap `model` into a RoundPipe (or an AutoRoundPipe), as upstream does.
 
     1. Presets, unless ``use_sequential_preset=False``: a transformers
-       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` gets the engine's native preset (built from
+       ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``LlamaForCausalLM`` gets the engine's
+       native preset (built from
        ``model.config``, weights copied; takes input_ids, attention_mask, position_ids, returns
        logits, trains with ``loss_fn="causal_lm"``, saves with save_pretrained); so does a
        PEFT LoRA model of one (``get_peft_model(model, LoraConfig(...))``), whose adapters the
@@ -115,16 +116,16 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
        copied in, and written back into the PEFT model by synchronize(), so that PEFT's
        save_pretrained saves the trained ones). A PEFT model the engine's adapters cannot
        express (DoRA, rsLoRA, rank or alpha patterns, some layers only, modules_to_save,
-       several adapters, ...) takes the Python Sequential preset below, its base weights frozen
-       and adapters trained in transformers' and PEFT's own modules, with a warning naming the
-       reason. Another transformers causal LM of a known shape
-       (GPT-2; Llama-like decoders such as Qwen3-MoE, also inside a PEFT model) becomes an
-       nn.Sequential of its own modules, run as Python layers, that takes input_ids (and
-       attention_mask) and returns logits. ``use_sequential_preset=True``
+       several adapters, adapters on a Qwen3-MoE model's experts, ...) takes the Python
+       Sequential preset below, its base weights frozen and adapters trained in transformers'
+       and PEFT's own modules, with a warning naming the reason. Another transformers causal LM
+       of a known shape (GPT-2; Llama-like decoders such as Mixtral, also inside a PEFT model)
+       becomes an nn.Sequential of its own modules, run as Python layers, that takes input_ids
+       (and attention_mask) and returns logits. ``use_sequential_preset=True``
        without a preset raises RoundPipeUnsupportedError (a NotImplementedError).
        ``native_preset=False`` (not upstream's) skips the native presets: a
-       ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` (or a PEFT model of one) then takes the
-       Python Sequential preset too,
+       ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``LlamaForCausalLM`` (or a PEFT model
+       of one) then takes the Python Sequential preset too,
        every layer running transformers' own code (to run transformers' exact modules, or to
        compare the Python-layer path with the native one, as
        bench/python_layers/qwen3_python_layers_bench.py does).

@@ -9,7 +9,7 @@
     Model(; hf_dir=path, options...)
 
 Build a model from a JSON spec (`{"layers": [...]}`, see docs/semantics.md), or a Hugging Face
-Qwen3ForCausalLM / LlamaForCausalLM: from the text of its config.json (weights initialised
+Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM: from the text of its config.json (weights initialised
 from the seed as transformers does) or from a model directory (config.json and weights).
 `devices` is `:auto`, `:cpu` or `:cuda`; `num_microbatch` is a shortcut for a model-level
 `RunConfig`; `model_dtype` / `optim_dtype` are `:f32`, `:bf16` or `:f16`; `pin` is `:alloc`,

@@ -188,8 +188,8 @@ impl Model {
         Model::create(sys::rp_model_create, &spec, options, "rp_model_create")
     }
 
-    /// Build a Hugging Face Qwen3ForCausalLM / LlamaForCausalLM from the text of its
-    /// config.json, with weights initialised from the seed as transformers does.
+    /// Build a Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM from the
+    /// text of its config.json, with weights initialised from the seed as transformers does.
     pub fn from_hf_config(config_json: &str, options: Option<&ModelOptions>) -> Result<Model> {
         crate::ensure_abi()?;
         let config =
@@ -198,7 +198,8 @@ impl Model {
         Model::create(f, &config, options, "rp_model_create_from_hf_config")
     }
 
-    /// Build a Hugging Face Qwen3ForCausalLM / LlamaForCausalLM from a model directory
+    /// Build a Hugging Face Qwen3ForCausalLM / Qwen3MoeForCausalLM / LlamaForCausalLM from a
+    /// model directory
     /// (config.json and the weights, one file or shards).
     pub fn from_hf_dir(dir: impl AsRef<Path>, options: Option<&ModelOptions>) -> Result<Model> {
         crate::ensure_abi()?;
