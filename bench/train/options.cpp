@@ -93,6 +93,9 @@ void validate(const Options &o, const char *argv0) {
         usage(argv0, "--steps must be >= 1; --warmup, --fb-only-steps, --opt-steps >= 0");
     if (!find_shape(o.shape))
         usage(argv0, "unknown shape '" + o.shape + "'");
+    if (find_shape(o.shape)->moe() && o.baseline)
+        usage(argv0, "the plain-PyTorch baseline is a dense Qwen3: give --baseline off with " +
+                         o.shape);
 }
 
 } // namespace

@@ -13,6 +13,10 @@ struct Shape {
     bool tied;
     // Defaults used when --batch/--seq/--microbatches are not given.
     int64_t batch, seq, microbatches;
+    // Qwen3-MoE shapes: every decoder layer sparse, `experts` SwiGLU experts of width
+    // `moe_intermediate`, `top_k` of them per token (0 experts: a dense Qwen3).
+    int64_t experts = 0, top_k = 0, moe_intermediate = 0;
+    bool moe() const { return experts > 0; }
 };
 
 // The shape called `name`, or nullptr.
@@ -25,7 +29,8 @@ std::string shape_names();
 int64_t total_params(const Shape &s);
 
 // Parameters that take part in a matrix multiply per token: all but the input embedding table,
-// which is a gather, unless it is tied to the LM head (then it is the LM head's matmul).
+// which is a gather, unless it is tied to the LM head (then it is the LM head's matmul); of a
+// mixture of experts only the router and the top_k experts a token is sent to.
 int64_t flop_params(const Shape &s);
 
 // Parameters of LoRA adapters of `rank` on every projection of every decoder layer that
@@ -38,7 +43,8 @@ int64_t lora_params(const Shape &s, int rank, const std::string &targets);
 // twice the forward, recompute once more).
 double attention_forward_flops(const Shape &s, int64_t batch, int64_t seq);
 
-// config.json of a Qwen3ForCausalLM of this shape, for rp_model_create_from_hf_config.
+// config.json of a Qwen3ForCausalLM (Qwen3MoeForCausalLM for MoE shapes) of this shape, for
+// rp_model_create_from_hf_config.
 std::string hf_config_json(const Shape &s);
 
 } // namespace tb
