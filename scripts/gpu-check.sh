@@ -11,8 +11,8 @@
 # RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
 # 1800) bounds each tool's run; RP_GPU_SANITIZE_TOOLS (default "memcheck racecheck") picks the
 # tools. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu,
-# data_parallel_gpu), leaves steps out, so that one device call can spend its time on the
-# sanitizer alone.
+# python_lora_gpu, data_parallel_gpu), leaves steps out, so that one device call can spend its
+# time on the sanitizer alone.
 # RP_GPU_SANITIZE_EXCLUDE, a compute-sanitizer kernel filter (e.g. "regex=gemm|nvjet"), leaves
 # matching kernels uninstrumented: racecheck runs the transformer tests' vendor GEMM and attention
 # kernels (cuBLAS, cuDNN, flash; closed source, and the bulk of the instrumented time) for hours.
@@ -55,6 +55,17 @@ step gpu_tests ctest --test-dir "$build" -L gpu --output-on-failure
 # machines lack; CI runs them.
 step cpu_tests ctest --test-dir "$build" -L cpu -E '^(rust|abi_gate|install_.*)$' -j8 --output-on-failure
 step example_gpu "$build/examples/c/train_mlp" --device auto
+# LoRA from Python against transformers + PEFT with the engine on a GPU. PEFT is pure Python: where
+# the machine lacks it, a copy in .gpu-deps/python (peft and accelerate, an ignored folder a device
+# call can carry) is used.
+py_path=$root/bindings/python
+[ -d "$root/.gpu-deps/python" ] && py_path=$py_path:$root/.gpu-deps/python
+if PYTHONPATH=$py_path python3 -c 'import peft' > /dev/null 2>&1; then
+  step python_lora_gpu env RP_TEST_DEVICE=cuda ROUNDPIPE_LIBRARY="$build/libroundpipe.so" \
+    PYTHONPATH="$py_path" python3 -m pytest -q "$root/tests/python/test_lora_native.py"
+else
+  echo "python_lora_gpu: skipped (peft cannot be imported)"
+fi
 # Data parallelism on the GPUs (NCCL): two ranks, one GPU each, against one process on the whole
 # batch. Needs two GPUs (and the gloo headers, e.g. in .gpu-deps/include/gloo).
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then

@@ -3,7 +3,8 @@
 against transformers + PEFT.
 
 What is proven, on tiny Qwen3 (tied and untied) and Llama models with random weights, fp32, two
-CPU worker devices and three microbatches:
+CPU worker devices (one GPU with RP_TEST_DEVICE=cuda, as scripts/gpu-check.sh runs it; PEFT's
+reference stays on the CPU) and three microbatches:
 - a PEFT model takes the native path (the engine reports its adapters), and its logits, its
   labels= loss and its adapter gradients are PEFT's; only the adapters train;
 - ten steps of the engine's AdamW are ten steps of torch.optim.AdamW on PEFT's trainable
@@ -23,9 +24,10 @@ first step. Tolerances (fp32): relative 1e-4 with an absolute floor of 1e-5 for 
 and gradients, as tests/python/test_hf.py: the engine and transformers run the same fp32
 operations, differing in summation order inside matrix products and the chunked loss (measured
 ~1e-7 relative). Merged weights round W + s B A once to fp32 where PEFT adds s B (A x) to W x:
-a few ulp more, inside the same tolerance. After ten AdamW steps the adapters are compared at
-1e-4 absolute: AdamW divides by sqrt(v) + eps, which turns a rounding-level gradient difference
-on a near-zero gradient into up to lr * 1e-3 per step.
+a few ulp more, inside the same tolerance. After ten AdamW steps (lr 1e-2) the adapters' updates
+are compared norm-based at 1e-3 and element by element at 2e-4 absolute: AdamW divides by
+sqrt(v) + eps, which turns a rounding-level gradient difference on a near-zero gradient into a
+step of up to lr in another direction for that one element.
 """
 
 import copy
@@ -43,9 +45,14 @@ import roundpipe  # noqa: E402
 from roundpipe import (LoraConfig, RoundPipeError, RoundPipeRunConfig,  # noqa: E402
                        RoundPipeUnsupportedError)
 
+import os  # noqa: E402
+
 RTOL = 1e-4
 ATOL = 1e-5
-DEVICES = ("cpu", 2)
+ON_GPU = os.environ.get("RP_TEST_DEVICE") == "cuda"
+if ON_GPU and not torch.cuda.is_available():
+    pytest.skip("RP_TEST_DEVICE=cuda but no GPU is visible", allow_module_level=True)
+DEVICES = ("cuda", 1) if ON_GPU else ("cpu", 2)
 N_MB = 3
 VOCAB = 128
 R, ALPHA = 4, 8
@@ -120,6 +127,7 @@ def logits_of(model, ids, mask=None):
 
 
 def assert_close(got, want, what=""):
+    got, want = got.cpu(), want.cpu()  # the engine's outputs stay on the GPU that made them
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL * max(1.0, want.abs().max()),
                                msg=lambda m: "%s: %s" % (what, m))
 
@@ -203,7 +211,12 @@ def test_ten_adamw_steps_match_torch_adamw_and_leave_the_base_bit_identical(fami
     for name, p in model_peft.named_parameters():
         if p.requires_grad:  # synchronize() wrote the trained adapters into the PEFT model
             assert not torch.equal(p, peft_before[name]), name
-            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=1e-4)
+            # The whole update agrees to 1e-3 (norm-based); single elements to 2e-4 (measured:
+            # 1.3e-5 on CPU devices, 1.03e-4 on one H200, whose GEMMs round differently)
+            ours_update = (p.detach() - peft_before[name]).double()
+            ref_update = (ref_params[name].detach() - peft_before[name]).double()
+            assert float((ours_update - ref_update).norm() / ref_update.norm()) < 1e-3, name
+            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=2e-4)
         else:
             assert torch.equal(p, peft_before[name]), name
 
