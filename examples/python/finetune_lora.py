@@ -32,36 +32,10 @@ import torch
 import roundpipe
 from roundpipe import LoraConfig, RoundPipe, RoundPipeRunConfig
 
-# Qwen3-0.6B's shape, shrunk (examples/python/finetune_qwen3.py's model).
-TINY_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 128,
-    "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "tie_word_embeddings": True, "use_sliding_window": False, "attention_bias": False,
-    "initializer_range": 0.02, "dtype": "float32",
-}
-BATCH, SEQ, PROMPT = 8, 32, 4
-
-
-def make_batch(vocab, seed=7):
-    """input_ids, attention_mask (1: token, 0: right padding) and labels (-100: no target)."""
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, vocab, (BATCH, 1), generator=g)
-    steps = 1 + torch.arange(BATCH).unsqueeze(1) % 5
-    ids = (starts + steps * torch.arange(SEQ)) % vocab
-    lengths = SEQ - 3 * (torch.arange(BATCH) % 4)
-    mask = (torch.arange(SEQ) < lengths.unsqueeze(1)).long()
-    ids = ids * mask
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, :PROMPT] = -100
-    return ids, mask, labels
-
-
-def parse_devices(text):
-    kind, _, count = text.partition(":")
-    return (kind, int(count or 0))
+# The model, the batch and the device syntax of examples/python/finetune_qwen3.py (this folder):
+# its tiny Qwen3 (Qwen3-0.6B's shape, shrunk) and its padded batches with prompt tokens masked.
+from finetune_qwen3 import CONFIG as TINY_QWEN3  # noqa: E402
+from finetune_qwen3 import make_batch, parse_devices  # noqa: E402
 
 
 def base_directory(args, out):

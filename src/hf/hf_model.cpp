@@ -1,6 +1,7 @@
 #include "hf/hf_model.h"
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "base/progress.h"
 #include "layers/builtin_layers.h"
@@ -46,14 +47,13 @@ std::unique_ptr<Layer> make_hf_decoder_layer(const HfModelConfig &c, const Decod
 // stacked experts and the router through parameter wrappers of its own, which RoundPipe does not
 // have: only the attention projections may carry adapters there.
 void check_lora_targets(const HfModelConfig &c, const LoraSpec &lora) {
-    const unsigned attention = (1u << (static_cast<int>(LoraTarget::O) + 1)) - 1;
-    if (c.sparse_layer_count() > 0 && (lora.targets & ~attention))
+    if (c.sparse_layer_count() > 0 && (lora.targets & ~kLoraAttentionTargets))
         fail(ErrorKind::InvalidArgument,
-             "LoRA target modules " + lora_targets_text(lora.targets & ~attention) +
+             "LoRA target modules " + lora_targets_text(lora.targets & ~kLoraAttentionTargets) +
                  " are not supported on the " + c.architecture +
                  " of the config: its experts are stacked tensors, not projections; adapters "
                  "exist on " +
-                 lora_targets_text(attention));
+                 lora_targets_text(kLoraAttentionTargets));
 }
 
 // A config is a few hundred bytes of text that may describe any number of layers: its host
@@ -107,11 +107,6 @@ std::vector<std::unique_ptr<Layer>> hf_layers(const HfModelConfig &c, double ini
     return layers;
 }
 
-bool is_adapter_name(const std::string &name) {
-    return name.find(".lora_A.") != std::string::npos ||
-           name.find(".lora_B.") != std::string::npos;
-}
-
 // Hugging Face name and expected shape of every parameter with a master weight of its own, in
 // the parameter store's order (the store skips tied parameters the same way), adapters included.
 std::vector<HfTensorSpec> tensor_specs(const HfModelConfig &config,
@@ -142,15 +137,13 @@ std::vector<HfTensorSpec> checkpoint_specs(const HfModelInfo &info) {
 
 // Which parameters are adapters, and the adapter of each adapted weight, from the names.
 void index_adapters(HfModelInfo &info) {
-    for (size_t i = 0; i < info.tensor_names.size(); ++i)
-        (is_adapter_name(info.tensor_names[i]) ? info.adapter_params : info.base_params)
-            .push_back(i);
-    auto index_of = [&](const std::string &name) -> int64_t {
-        for (size_t i = 0; i < info.tensor_names.size(); ++i)
-            if (info.tensor_names[i] == name)
-                return static_cast<int64_t>(i);
-        return -1;
-    };
+    std::unordered_map<std::string, size_t> index; // of the adapters, by name
+    for (size_t i = 0; i < info.tensor_names.size(); ++i) {
+        const bool adapter = is_lora_adapter(info.tensor_names[i]);
+        (adapter ? info.adapter_params : info.base_params).push_back(i);
+        if (adapter)
+            index.emplace(info.tensor_names[i], i);
+    }
     const std::string suffix = ".weight";
     for (size_t i : info.base_params) {
         const std::string &name = info.tensor_names[i];
@@ -158,10 +151,9 @@ void index_adapters(HfModelInfo &info) {
                                                          suffix.size(), suffix) != 0)
             continue;
         const std::string module = name.substr(0, name.size() - suffix.size());
-        const int64_t a = index_of(module + ".lora_A.weight");
-        const int64_t b = index_of(module + ".lora_B.weight");
-        if (a >= 0 && b >= 0)
-            info.lora_pairs.push_back({i, static_cast<size_t>(a), static_cast<size_t>(b)});
+        auto a = index.find(module + ".lora_A.weight"), b = index.find(module + ".lora_B.weight");
+        if (a != index.end() && b != index.end())
+            info.lora_pairs.push_back({i, a->second, b->second});
     }
 }
 
@@ -263,19 +255,22 @@ void load_hf_weights(Model &model, HfModelInfo &info, const std::string &dir) {
 void save_hf_model(Model &model, const HfModelInfo &info, const std::string &dir) {
     model.synchronize();
     const ParamStore &store = model.params();
-    std::vector<NamedTensor> tensors;
-    for (const HfCheckpointTensor &t : info.checkpoint_tensors)
-        tensors.push_back({t.stored.name, t.stored.part_of(store.at(t.param).live)});
+    std::unordered_map<size_t, const LoraPair *> adapter_of; // by adapted parameter
+    for (const LoraPair &pair : info.lora_pairs)
+        adapter_of.emplace(pair.base, &pair);
     const double scaling = info.lora.enabled() ? info.lora.scaling() : 0.0;
-    for (const LoraPair &pair : info.lora_pairs) {
-        NamedTensor &nt = *std::find_if(tensors.begin(), tensors.end(), [&](const NamedTensor &t) {
-            return t.name == info.tensor_names[pair.base];
-        });
-        const at::Tensor w = store.at(pair.base).live;
-        const at::Tensor a = store.at(pair.a).master, b = store.at(pair.b).master;
-        nt.tensor = at::empty(w.sizes(), w.options().device(at::kMeta));
+    std::vector<NamedTensor> tensors;
+    for (const HfCheckpointTensor &t : info.checkpoint_tensors) {
+        const at::Tensor w = t.stored.part_of(store.at(t.param).live);
+        tensors.push_back({t.stored.name, w});
+        auto adapted = adapter_of.find(t.param);
+        if (adapted == adapter_of.end())
+            continue;
+        const at::Tensor a = store.at(adapted->second->a).master;
+        const at::Tensor b = store.at(adapted->second->b).master;
+        tensors.back().tensor = at::empty(w.sizes(), w.options().device(at::kMeta));
         // Made when the writer reaches it: W + (alpha / r) B A in fp32, rounded once.
-        nt.produce = [w, a, b, scaling] {
+        tensors.back().produce = [w, a, b, scaling] {
             at::NoGradGuard no_grad;
             return at::addmm(w.to(at::kFloat), b, a, /*beta=*/1.0, /*alpha=*/scaling)
                 .to(w.scalar_type());

@@ -90,8 +90,16 @@ ParamSpec lora_b_param(LoraTarget t, int64_t rank, int64_t out) {
     return {lora_module_path(t) + ".lora_B.weight", {out, rank}, InitKind::Zeros, 0.0};
 }
 
+bool is_lora_adapter(const std::string &param_name) {
+    return param_name.find(".lora_A.") != std::string::npos ||
+           param_name.find(".lora_B.") != std::string::npos;
+}
+
 at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor &b,
                       const LoraSpec &spec, LoraTarget t, const LayerContext &ctx) {
+    // The scalars (alpha / r, and dropout's 1 / (1 - p)) multiply A's output, r wide, instead
+    // of the input or the output (dim wide): the same product to rounding, a sliver of the work.
+    double scale = spec.scaling();
     at::Tensor in = x;
     if (ctx.training && spec.dropout > 0) {
         const uint64_t seed = mix(ctx.dropout_seed ^ (0x10000ULL + static_cast<uint64_t>(t)));
@@ -100,10 +108,10 @@ at::Tensor lora_delta(const at::Tensor &x, const at::Tensor &a, const at::Tensor
                         : at::make_generator<at::CPUGeneratorImpl>(seed);
         if (x.is_cuda())
             gen.set_current_seed(seed);
-        at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - spec.dropout, gen);
-        in = x * keep * (1.0 / (1.0 - spec.dropout));
+        in = x * at::empty_like(x).bernoulli_(1.0 - spec.dropout, gen);
+        scale /= 1.0 - spec.dropout;
     }
-    return at::linear(at::linear(in, a), b) * spec.scaling();
+    return at::linear(at::linear(in, a) * scale, b);
 }
 
 } // namespace rp

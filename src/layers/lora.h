@@ -16,6 +16,8 @@ namespace rp {
 // The projections of a decoder layer that can carry an adapter, by PEFT's module names.
 enum class LoraTarget { Q, K, V, O, Gate, Up, Down };
 constexpr int kLoraTargets = 7;
+// The attention projections q, k, v, o: the only targets of a mixture-of-experts layer.
+constexpr unsigned kLoraAttentionTargets = (1u << (static_cast<int>(LoraTarget::O) + 1)) - 1;
 
 struct LoraSpec {
     int64_t rank = 0; // 0: no adapters
@@ -49,6 +51,8 @@ void check_lora_spec(const LoraSpec &spec);
 // named "<path>.lora_A.weight" and "<path>.lora_B.weight".
 ParamSpec lora_a_param(LoraTarget t, int64_t rank, int64_t in);
 ParamSpec lora_b_param(LoraTarget t, int64_t rank, int64_t out);
+// Whether a parameter's name (a layer's own, or any name ending in it) is an adapter's.
+bool is_lora_adapter(const std::string &param_name);
 
 // The adapter's term (alpha / r) * B (A dropout(x)), in x's dtype. Dropout masks come from a
 // generator seeded by (ctx.dropout_seed, target), on x's device: the recompute of a backward

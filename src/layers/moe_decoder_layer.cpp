@@ -94,7 +94,7 @@ std::unique_ptr<Layer> make_moe_decoder_layer(const DecoderSpec &spec, const Moe
     require(moe.experts > 0 && moe.top_k > 0 && moe.top_k <= moe.experts && moe.expert_hidden > 0,
             "moe_decoder_layer needs 1 <= top_k <= experts and expert_hidden > 0");
     require(!spec.mlp_bias, "moe_decoder_layer: the experts have no biases");
-    require(!spec.lora.enabled() || spec.lora.targets < (1u << static_cast<int>(LoraTarget::Gate)),
+    require(!spec.lora.enabled() || (spec.lora.targets & ~kLoraAttentionTargets) == 0,
             "moe_decoder_layer: LoRA adapters exist on the attention projections only");
     return std::make_unique<MoeDecoderLayer>(spec, moe);
 }

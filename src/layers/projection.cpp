@@ -40,7 +40,7 @@ double Projection::adapter_bytes(double e, const LoraSpec &lora) const {
 
 void freeze_all_but_adapters(std::vector<ParamSpec> &params) {
     for (ParamSpec &spec : params)
-        if (spec.name.find(".lora_") == std::string::npos)
+        if (!is_lora_adapter(spec.name))
             spec.role = ParamRole::Frozen;
 }
 

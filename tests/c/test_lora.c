@@ -207,6 +207,15 @@ static double train_call(rp_model *m, const call *c) {
     return loss;
 }
 
+/* One built-in AdamW step (PyTorch's defaults but the learning rate). */
+static void adamw_step(rp_model *m, double lr, int32_t is_async) {
+    rp_optimizer *adamw = NULL;
+    TS_OK(rp_optimizer_create(&adamw, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(adamw, lr));
+    TS_OK(rp_step(m, adamw, is_async));
+    rp_optimizer_destroy(adamw);
+}
+
 static void logits_of(rp_model *m, const call *c, float *out) {
     const DLManagedTensor *inputs[3] = {c->in[0], c->in[1], c->in[2]};
     rp_tensor_list *outs = NULL;
@@ -270,11 +279,7 @@ static void matches_reference(const char *config, const char *targets, int32_t d
             print_error("step %d: loss %.9g, reference %.9g\n", step, got, want);
             fail();
         }
-        rp_optimizer *adamw = NULL;
-        TS_OK(rp_optimizer_create(&adamw, RP_OPTIMIZER_ADAMW));
-        TS_OK(rp_optimizer_set_learning_rate(adamw, 1e-2));
-        TS_OK(rp_step(m, adamw, /*is_async=*/0));
-        rp_optimizer_destroy(adamw);
+        adamw_step(m, 1e-2, /*is_async=*/0);
         assert_int_equal(ref_lm_step_adamw(ref, 1e-2, 0.9, 0.999, 1e-8, 1e-2), 0);
     }
     assert_adapters_match(m, ref, 0, 1e-4);
@@ -321,10 +326,7 @@ static void saved_adapters_reload_and_merged_weights_load_as_a_plain_model(void 
     call c;
     call_init(&c, &b, 2, 0);
     train_call(m, &c);
-    rp_optimizer *adamw = NULL;
-    TS_OK(rp_optimizer_create(&adamw, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_step(m, adamw, 1));
-    rp_optimizer_destroy(adamw);
+    adamw_step(m, 1e-3, /*is_async=*/1);
     static float trained[B * T * V], reloaded[B * T * V], merged[B * T * V];
     TS_OK(rp_synchronize(m));
     logits_of(m, &c, trained);
@@ -456,23 +458,13 @@ static void frozen_parameters_cost_their_held_bytes(void **state) {
     call c;
     call_init(&c, &b, 2, 0);
     train_call(m, &c);
-    rp_optimizer *adamw = NULL;
-    TS_OK(rp_optimizer_create(&adamw, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_step(m, adamw, 0));
-    rp_optimizer_destroy(adamw);
+    adamw_step(m, 1e-3, /*is_async=*/0);
     int64_t bytes = 0, elements = 0, base = 0, adapters = 0;
     TS_OK(rp_model_host_state_bytes(&bytes, &elements, m));
     size_t count = 0;
     TS_OK(rp_param_count(&count, m));
-    for (size_t i = 0; i < count; ++i) {
-        int64_t shape[4];
-        int32_t nd = 0;
-        TS_OK(rp_param_shape(shape, &nd, 4, m, i));
-        int64_t n = 1;
-        for (int32_t d = 0; d < nd; ++d)
-            n *= shape[d];
-        *(is_adapter(m, i) ? &adapters : &base) += n;
-    }
+    for (size_t i = 0; i < count; ++i)
+        *(is_adapter(m, i) ? &adapters : &base) += ts_param_numel(m, i);
     assert_int_equal(elements, base + adapters);
     if (!((double)bytes <= 2.1 * (double)base + 24.0 * (double)adapters)) {
         print_error("host state %lld bytes for %lld frozen + %lld adapter elements\n",

@@ -66,15 +66,8 @@ static int64_t param_bytes(rp_model *model) {
     size_t count = 0;
     TS_OK(rp_param_count(&count, model));
     int64_t bytes = 0;
-    for (size_t i = 0; i < count; ++i) {
-        int64_t shape[8];
-        int32_t ndim = 0;
-        TS_OK(rp_param_shape(shape, &ndim, 8, model, i));
-        int64_t n = 1;
-        for (int32_t d = 0; d < ndim; ++d)
-            n *= shape[d];
-        bytes += 4 * n;
-    }
+    for (size_t i = 0; i < count; ++i)
+        bytes += 4 * ts_param_numel(model, i);
     return bytes;
 }
 

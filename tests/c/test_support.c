@@ -335,6 +335,16 @@ void ts_assert_params_close(const ts_params *a, const ts_params *b, double tol, 
         fail();
 }
 
+int64_t ts_param_numel(const rp_model *model, size_t index) {
+    int64_t shape[8];
+    int32_t ndim = 0;
+    TS_OK(rp_param_shape(shape, &ndim, 8, model, index));
+    int64_t n = 1;
+    for (int32_t d = 0; d < ndim; ++d)
+        n *= shape[d];
+    return n;
+}
+
 void ts_set_master(rp_model *model, size_t index, const float *values, int64_t numel) {
     TS_OK(rp_synchronize(model));
     DLManagedTensor *t = NULL;

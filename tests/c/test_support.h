@@ -106,6 +106,8 @@ void ts_assert_params_close(const ts_params *a, const ts_params *b, double tol, 
 /** Write one fp32 value into parameter `index`'s master weight through rp_param_master, then
  * rp_synchronize so that it is in use. */
 void ts_set_master(rp_model *model, size_t index, const float *values, int64_t numel);
+/** Number of elements of parameter `index` (rp_param_shape). */
+int64_t ts_param_numel(const rp_model *model, size_t index);
 
 /* ---- the reference ------------------------------------------------------------------------ */
 

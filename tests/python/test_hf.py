@@ -352,6 +352,35 @@ def wrap(hf_model, num_microbatch=3):
             num_microbatch=num_microbatch))
 
 
+def assert_logits_equal_transformers(model, hf, ids, mask):
+    """The wrapped model's logits are transformers' for ids alone, with the padding mask (real
+    queries; padding queries may differ, docs/semantics.md) and with shifted position ids."""
+    torch.testing.assert_close(model(input_ids=ids).logits, hf(input_ids=ids).logits,
+                               rtol=RTOL, atol=ATOL)
+    got = model(input_ids=ids, attention_mask=mask).logits
+    want = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=RTOL, atol=ATOL)
+    positions = (torch.arange(ids.shape[1]) + 3).expand_as(ids).contiguous()
+    torch.testing.assert_close(model(ids, position_ids=positions).logits,
+                               hf(input_ids=ids, position_ids=positions).logits,
+                               rtol=RTOL, atol=ATOL)
+
+
+def torch_adamw_losses(hf, ids, mask, labels, steps, **settings):
+    """The reference of the engine's AdamW: `steps` steps of torch.optim.AdamW(**settings) on
+    `hf`'s trainable parameters over transformers' labels= loss; the losses, in order."""
+    torch_opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], **settings)
+    losses = []
+    for _ in range(steps):
+        loss = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 @needs_transformers
 @pytest.mark.parametrize("family,tied", FAMILIES)
 def test_wrapped_transformers_model_computes_transformers_logits(family, tied):
@@ -359,16 +388,7 @@ def test_wrapped_transformers_model_computes_transformers_logits(family, tied):
     ids, mask, _ = lm_batch()
     with wrap(hf) as model, torch.no_grad():
         assert model.config is hf.config  # forwarded to the original model
-        torch.testing.assert_close(model(input_ids=ids).logits, hf(input_ids=ids).logits,
-                                   rtol=RTOL, atol=ATOL)
-        got = model(input_ids=ids, attention_mask=mask).logits
-        want = hf(input_ids=ids, attention_mask=mask).logits
-        real = mask.bool()  # padding queries may differ (docs/semantics.md); real ones not
-        torch.testing.assert_close(got[real], want[real], rtol=RTOL, atol=ATOL)
-        positions = (torch.arange(ids.shape[1]) + 3).expand_as(ids).contiguous()
-        torch.testing.assert_close(model(ids, position_ids=positions).logits,
-                                   hf(input_ids=ids, position_ids=positions).logits,
-                                   rtol=RTOL, atol=ATOL)
+        assert_logits_equal_transformers(model, hf, ids, mask)
 
 
 @needs_transformers
@@ -406,14 +426,7 @@ def test_training_steps_lower_the_loss_as_transformers_with_adamw_does(family, t
             model.step(opt, is_async=False)
         # The same steps in transformers with torch.optim.AdamW (the wrapper copied the weights,
         # so hf still holds the initial ones).
-        theirs = []
-        torch_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.0)
-        for _ in range(5):
-            loss = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch_opt.step()
-            torch_opt.zero_grad()
-            theirs.append(float(loss.detach()))
+        theirs = torch_adamw_losses(hf, ids, mask, labels, 5, lr=1e-2, weight_decay=0.0)
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=RTOL, atol=0)
         assert ours[-1] < ours[0] - 0.5, ours
         # copy_to_module puts the trained weights back into the transformers model.

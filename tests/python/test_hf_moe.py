@@ -34,9 +34,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import roundpipe  # noqa: E402
-from roundpipe import RoundPipeError, RoundPipeRunConfig  # noqa: E402
+from roundpipe import RoundPipeError  # noqa: E402
 
-from test_hf import ATOL, DEVICES, RTOL, VOCAB, lm_batch  # noqa: E402
+from test_hf import (ATOL, DEVICES, RTOL, VOCAB, assert_logits_equal_transformers,  # noqa: E402
+                     lm_batch, torch_adamw_losses, wrap)
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -81,11 +82,6 @@ def routing_margin(hf, ids, mask=None):
     return min(gaps)
 
 
-def wrap(hf, num_microbatch=3):
-    return roundpipe.wrap_model_to_roundpipe(
-        hf, devices=DEVICES, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
-
-
 def config_dict(**changes):
     d = json.loads(transformers.Qwen3MoeConfig(**SIZES).to_json_string(use_diff=False))
     d["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -107,16 +103,7 @@ def test_native_moe_layers_compute_transformers_logits(variant):
         for i in range(3):
             assert ("%d.mlp.experts.gate_up_proj" % (i + 1) in names) == (i in sparse)
             assert ("%d.mlp.gate_proj.weight" % (i + 1) in names) == (i not in sparse)
-        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
-                                   rtol=RTOL, atol=ATOL)
-        got = model(input_ids=ids, attention_mask=mask).logits
-        want = ref(input_ids=ids, attention_mask=mask).logits
-        real = mask.bool()  # padding queries may differ (docs/semantics.md); real ones not
-        torch.testing.assert_close(got[real], want[real], rtol=RTOL, atol=ATOL)
-        positions = (torch.arange(ids.shape[1]) + 3).expand_as(ids).contiguous()
-        torch.testing.assert_close(model(ids, position_ids=positions).logits,
-                                   ref(input_ids=ids, position_ids=positions).logits,
-                                   rtol=RTOL, atol=ATOL)
+        assert_logits_equal_transformers(model, ref, ids, mask)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -157,14 +144,7 @@ def test_adamw_steps_equal_torch_adamw_on_transformers():
         model.synchronize()
         trained = {model.hf_parameter_name(n): p.detach().clone()
                    for n, p in model.optim_named_parameters()}
-    theirs = []
-    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    for _ in range(5):
-        loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch_opt.step()
-        torch_opt.zero_grad()
-        theirs.append(float(loss.detach()))
+    theirs = torch_adamw_losses(ref, ids, mask, labels, 5, lr=1e-2, weight_decay=0.01)
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=RTOL, atol=0)
     assert ours[-1] < ours[0] - 0.5, ours
     for name, p in ref.named_parameters():

@@ -47,6 +47,8 @@ from roundpipe import (LoraConfig, RoundPipeError, RoundPipeRunConfig,  # noqa: 
 
 import os  # noqa: E402
 
+from test_hf import torch_adamw_losses  # noqa: E402
+
 RTOL = 1e-4
 ATOL = 1e-5
 ON_GPU = os.environ.get("RP_TEST_DEVICE") == "cuda"
@@ -187,18 +189,13 @@ def test_ten_adamw_steps_match_torch_adamw_and_leave_the_base_bit_identical(fami
     peft_before = {n: p.detach().clone() for n, p in model_peft.named_parameters()}
     ids, mask, labels = lm_batch()
     settings = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-    torch_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **settings)
+    theirs = torch_adamw_losses(ref, ids, mask, labels, 10, **settings)
     with wrap(model_peft) as model:
-        ours, theirs = [], []
+        ours = []
         opt = roundpipe.optim.AdamW(**settings)
         for _ in range(10):
             ours.append(float(model.forward_backward((ids, mask), label=labels)))
             model.step(opt, is_async=False)
-            loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch_opt.step()
-            torch_opt.zero_grad()
-            theirs.append(float(loss.detach()))
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=RTOL, atol=0)
         assert ours[-1] < ours[0] - 0.1, ours
         model.synchronize()
