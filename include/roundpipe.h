@@ -1211,6 +1211,40 @@ RP_API rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_dat
                                   int32_t is_async);
 
 /**
+ * Steps inside the training calls (RP_HOST_MEMORY_SAVING). With `optimizer` given, every later
+ * rp_forward_backward is also the optimizer step over its own gradients: the weights it leaves
+ * are those of rp_forward_backward followed by rp_step(model, optimizer, 1), bit for bit, but
+ * each parameter's update starts on the optimizer thread as soon as its gradient is final in the
+ * call (the deepest stages first, while the GPUs back-propagate the stages below), so the step
+ * hides behind the backward instead of holding back the next call's uploads. The call returns
+ * without waiting for the last updates; the next call uploads each stage once it is updated,
+ * as after an asynchronous rp_step. The settings are copied; NULL switches back to explicit
+ * steps (rp_step, rp_step_callback), which are refused (RP_ERR_STATE) while this is on.
+ * While on:
+ *  - one call is one step: gradients are not accumulated over calls;
+ *  - a parameter that received no gradient in the call is left alone, as by rp_step; a
+ *    parameter whose gradient holds inf or nan is left alone too (its gradient dropped), the
+ *    step is counted as skipped and logged at RP_LOG_WARN (rp_model_nonfinite_counts); a nan or
+ *    inf loss makes every gradient behind it non-finite, so the whole step is skipped then.
+ *    rp_model_set_skip_nonfinite_steps(model, 0) lets such updates through instead;
+ *  - a call that fails before any gradient is final leaves no trace, as without this setting;
+ *    one that fails later (a device or callback error in the backward) keeps the updates of the
+ *    parameters whose gradients were final by then, logs how many at RP_LOG_WARN, and drops
+ *    every other gradient of the call: the model stays usable.
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model, called from a step callback);
+ *         RP_ERR_STATE, with nothing changed: the model is in RP_HOST_MEMORY_STANDARD (whose
+ *         asynchronous steps already overlap a whole call), uses data parallelism or loss
+ *         scaling (both need every gradient before the first update), holds optimizer state of
+ *         another kind, or holds gradients accumulated since its last step (rp_step or
+ *         rp_zero_grad first).
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_set_step_in_call(rp_model *model, const rp_optimizer *optimizer);
+
+/** 1 when training calls step inside (rp_model_set_step_in_call), 0 otherwise. */
+RP_API rp_status rp_model_step_in_call(int32_t *out_enabled, const rp_model *model);
+
+/**
  * Wait for every pending step, then make the latest master weights the weights in use.
  * Afterwards rp_param_master shows the latest weights and rp_param_grad the gradients
  * accumulated since the last step. Like llama_synchronize: a point where nothing is in flight;

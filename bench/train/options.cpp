@@ -17,6 +17,7 @@ namespace {
                  "  [--devices cpu|cuda] [--num-devices N] [--plan auto|N,N,...]\n"
                  "  [--backward-plan auto|N,N,... (with --plan)]\n"
                  "  [--gpu-cap-gib X] [--pin alloc|register|off] [--host-memory standard|saving]\n"
+                 "  [--step-in-call on|off (saving mode: the step inside each call)]\n"
                  "  [--lr X] [--seed N]\n"
                  "  [--baseline on|off] [--baseline-steps N] [--baseline-warmup N]\n"
                  "  [--baseline-microbatches N (default: --microbatches)]\n"
@@ -61,6 +62,7 @@ bool set_option(Options &o, const char *argv0, const std::string &a, const std::
     else if (a == "--gpu-cap-gib") o.gpu_cap_gib = std::stod(v);
     else if (a == "--pin") o.pin = v;
     else if (a == "--host-memory") o.host_memory = v;
+    else if (a == "--step-in-call") o.step_in_call = on_off(argv0, a, v);
     else if (a == "--lr") o.lr = std::stod(v);
     else if (a == "--seed") o.seed = std::stoull(v);
     else if (a == "--host-check") o.host_check = on_off(argv0, a, v);
@@ -85,6 +87,8 @@ void validate(const Options &o, const char *argv0) {
         usage(argv0, "--optim-dtype takes f32 or bf16");
     if (o.devices != "cpu" && o.devices != "cuda")
         usage(argv0, "--devices takes cpu or cuda");
+    if (o.step_in_call && o.host_memory != "saving")
+        usage(argv0, "--step-in-call needs --host-memory saving");
     if (o.host_memory != "standard" && o.host_memory != "saving")
         usage(argv0, "--host-memory takes standard or saving");
     if (o.pin != "alloc" && o.pin != "register" && o.pin != "off")

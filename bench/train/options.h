@@ -30,6 +30,8 @@ struct Options {
     double gpu_cap_gib = 0;
     std::string pin = "alloc";
     std::string host_memory = "standard";
+    // Steps inside the training calls (rp_model_set_step_in_call; saving mode only).
+    bool step_in_call = false;
     double lr = 1e-4, weight_decay = 0.01;
     uint64_t seed = 1;
     bool host_check = true;

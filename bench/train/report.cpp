@@ -147,6 +147,7 @@ json report_header(const Options &o) {
     out["gpu_cap_gib"] = o.gpu_cap_gib;
     out["pin"] = o.pin;
     out["host_memory"] = o.host_memory;
+    out["step_in_call"] = o.step_in_call;
     out["steps"] = o.steps;
     out["warmup"] = o.warmup;
     out["host_threads"] = at::get_num_threads();

@@ -115,6 +115,17 @@ struct Session {
         return l;
     }
     void step(bool async) { RP_CHECK(rp_step(model.m, opt.o, async ? 1 : 0)); }
+    // With in-call steps the training call is the step: an iteration's explicit step is
+    // nothing (timed all the same: it must cost nothing).
+    void iteration_step() {
+        if (!in_call)
+            step(true);
+    }
+    void set_step_in_call(bool on) {
+        RP_CHECK(rp_model_set_step_in_call(model.m, on ? opt.o : nullptr));
+        in_call = on;
+    }
+    bool in_call = false;
 };
 
 void create_model(RoundPipeRun &r, Session &sess, const Options &o) {
@@ -125,6 +136,8 @@ void create_model(RoundPipeRun &r, Session &sess, const Options &o) {
     const std::vector<int32_t> backward = o.backward_plan_counts();
     if (!backward.empty())
         RP_CHECK(rp_model_set_backward_stage_plan(sess.model.m, backward.data(), backward.size()));
+    if (o.step_in_call)
+        sess.set_step_in_call(true);
     r.create_ms = round_to(ms_since(t0), 1);
     RP_CHECK(rp_model_num_devices(&r.num_devices, sess.model.m));
     RP_CHECK(rp_model_num_layers(&r.num_layers, sess.model.m));
@@ -137,7 +150,7 @@ void warm_up(RoundPipeRun &r, Session &sess, const Options &o) {
     for (int i = 0; i < o.warmup; ++i) {
         auto t0 = Clock::now();
         r.losses.push_back(sess.fb());
-        sess.step(true);
+        sess.iteration_step();
         progress("roundpipe warm-up " + std::to_string(i + 1) + "/" + std::to_string(o.warmup) +
                  ": " + std::to_string(ms_since(t0)) + " ms, loss " +
                  std::to_string(r.losses.back()));
@@ -154,7 +167,7 @@ void timed_loop(RoundPipeRun &r, Session &sess, const Options &o) {
         r.losses.push_back(sess.fb());
         r.fb_ms.push_back(ms_since(t0));
         auto t1 = Clock::now();
-        sess.step(true);
+        sess.iteration_step();
         r.step_ms.push_back(ms_since(t1));
         progress("roundpipe step " + std::to_string(i + 1) + "/" + std::to_string(o.steps) +
                  ": forward_backward " + std::to_string(r.fb_ms.back()) + " ms, rp_step " +
@@ -185,6 +198,8 @@ void ask_plan_and_trace(RoundPipeRun &r, const Session &sess) {
 // weights and the gradient reset are done.
 void isolated_phases(RoundPipeRun &r, Session &sess, const Options &o) {
     RP_CHECK(rp_synchronize(sess.model.m));
+    if (sess.in_call) // the phases apart: the call without its step, then the step alone
+        sess.set_step_in_call(false);
     for (int i = 0; i < o.fb_only_steps; ++i) {
         RP_CHECK(rp_zero_grad(sess.model.m));
         auto t0 = Clock::now();

@@ -459,6 +459,24 @@ rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int3
     });
 }
 
+rp_status rp_model_set_step_in_call(rp_model *model, const rp_optimizer *optimizer) {
+    return guard([&] {
+        ModelCall hold(model);
+        Model &m = hold.model();
+        require(!m.on_optimizer_thread(),
+                "rp_model_set_step_in_call may not be called from a step callback");
+        m.set_step_in_call(optimizer ? &optimizer->settings : nullptr);
+    });
+}
+
+rp_status rp_model_step_in_call(int32_t *out_enabled, const rp_model *model) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_enabled, "out_enabled is NULL");
+        *out_enabled = hold.model().step_in_call() ? 1 : 0;
+    });
+}
+
 rp_status rp_synchronize(rp_model *model) {
     return guard([&] {
         ModelCall hold(model);

@@ -37,6 +37,51 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
     }
 }
 
+void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    require(!dp_ && buffers_zero_, "in-call steps need zeroed gradients and no data parallelism");
+    auto t = std::make_unique<FinalTracking>();
+    t->fn = std::move(fn);
+    t->jobs = t->jobs_left = jobs_per_param;
+    t->delivered.assign(jobs_per_param.size(), 0);
+    t->nonfinite.assign(jobs_per_param.size(), 0);
+    t->handed.assign(jobs_per_param.size(), 0);
+    final_ = std::move(t);
+}
+
+void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
+    FinalTracking &t = *final_;
+    std::vector<FinalGradient> ready;
+    auto check = [&](size_t p) {
+        // Each job delivers a parameter at most once (FinalGradients sends each leaf once), so
+        // as many deliveries as jobs means no job is left to add to it.
+        if (!t.handed[p] && (t.jobs_left[p] == 0 || t.delivered[p] == t.jobs[p])) {
+            t.handed[p] = 1;
+            ready.push_back({p, t.delivered[p] > 0, t.nonfinite[p] != 0});
+        }
+    };
+    if (item.job_done) {
+        for (size_t p : *item.job_done) {
+            --t.jobs_left[p];
+            check(p);
+        }
+    } else {
+        for (const auto &g : item.grads) {
+            ++t.delivered[g.first];
+            t.nonfinite[g.first] |= nonfinite ? 1 : 0;
+            check(g.first);
+        }
+    }
+    if (ready.empty())
+        return;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const FinalGradient &f : ready)
+            touched_.erase(f.param); // the listener's now: a failure must not zero it
+    }
+    t.fn(std::move(ready));
+}
+
 void GradAccumulator::enqueue(Item item) {
     if (!buffers_zero_) {
         held_.push_back(std::move(item));
@@ -65,10 +110,17 @@ void GradAccumulator::add(std::vector<std::pair<size_t, at::Tensor>> grads,
 }
 
 void GradAccumulator::job_done(const std::vector<size_t> &params) {
-    if (!dp_)
-        return;
     std::lock_guard<std::mutex> lock(mutex_);
-    reducer_.job_done(params);
+    if (dp_) {
+        reducer_.job_done(params);
+    } else if (final_) { // behind the job's contributions in the queue
+        Item item;
+        item.job_done = params;
+        queue_.push_back(std::move(item));
+        ++in_flight_;
+    } else {
+        return;
+    }
     changed_.notify_all();
 }
 
@@ -104,6 +156,7 @@ void GradAccumulator::end_call(bool succeeded) {
         for (size_t p : touched_)
             store_.at(p).grad.zero_();
     touched_.clear();
+    final_.reset();
     if (error && succeeded)
         std::rethrow_exception(error);
 }
@@ -136,13 +189,18 @@ void add_widened(at::Tensor &dst, const at::Tensor &src, double factor) {
 } // namespace
 
 void GradAccumulator::apply(const Item &item) {
+    if (item.job_done) {
+        hand_final(item, false);
+        return;
+    }
     if (item.lane)
         item.lane->wait(item.ready); // the download of these tensors has landed
     HostSpan span(timeline_, "gradients", "accumulate");
     double sum = 0.0;
     for (const at::Tensor &c : item.checks)
         sum += c.item<double>();
-    if (!std::isfinite(sum) || item.nonfinite)
+    const bool nonfinite = !std::isfinite(sum) || item.nonfinite;
+    if (nonfinite)
         flags_.mark_nonfinite();
     const double factor = factor_ * item.scale;
     for (const auto &g : item.grads) {
@@ -168,6 +226,8 @@ void GradAccumulator::apply(const Item &item) {
             add_widened(dst, g.second, factor);
         }
     }
+    if (final_)
+        hand_final(item, nonfinite);
 }
 
 void GradAccumulator::reduce_one(std::unique_lock<std::mutex> &lock) {

@@ -10,6 +10,10 @@
 // Data parallel (set_data_parallel): the contributions first go through a GradientReducer, which
 // averages them over the ranks, bucket by bucket, on this same thread; the averages are then
 // added as above.
+//
+// In-call steps (report_final): once every job that delivers a parameter's gradient has had its
+// contribution added, the gradient is final and handed to a listener, which updates the
+// parameter while the call goes on.
 #pragma once
 #include <condition_variable>
 #include <deque>
@@ -17,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_set>
 #include <vector>
@@ -41,6 +46,19 @@ class GradAccumulator {
     // `jobs_per_param` (data parallel only): per parameter, how many of the call's jobs deliver
     // a gradient of it (job_done says when each has).
     void begin_call(bool buffers_zero, double factor, const std::vector<int> &jobs_per_param = {});
+
+    // A gradient no later contribution of the call can change.
+    struct FinalGradient {
+        size_t param;
+        bool received;  // some job delivered one (a parameter no microbatch reached has none)
+        bool nonfinite; // a contribution held inf or nan
+    };
+    using FinalFn = std::function<void(std::vector<FinalGradient>)>;
+    // Caller thread, after begin_call with zero buffers and before the call's jobs start (not
+    // with data parallelism): calls `fn` on this accumulator's thread with each parameter's
+    // gradient once every job of `jobs_per_param` that delivers it has been added. A handed
+    // gradient is the listener's: a failing call no longer zeroes it. Until end_call.
+    void report_final(const std::vector<int> &jobs_per_param, FinalFn fn);
     // Worker threads: (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
     // and `checks`, 0-d host tensors whose sum is the sum of those gradients (inf or nan when
     // any element is), computed on the device so the host need not read them twice.
@@ -61,11 +79,22 @@ class GradAccumulator {
         DeviceLane *lane = nullptr; // null: nothing to wait for
         double scale = 1.0;         // times the call's factor (a reduced bucket: 1 / ranks)
         bool nonfinite = false;     // known without the checks (a reduced bucket)
+        // In-call steps: a job has delivered everything it will (its trainable leaves); an
+        // item in the queue behind that job's contributions.
+        std::optional<std::vector<size_t>> job_done;
+    };
+    // report_final's bookkeeping, on this accumulator's thread.
+    struct FinalTracking {
+        FinalFn fn;
+        std::vector<int> jobs_left, delivered, jobs;
+        std::vector<uint8_t> nonfinite, handed;
     };
     void loop();
     void apply(const Item &item);
     void enqueue(Item item); // under the lock: apply now, or hold until the call succeeds
     void reduce_one(std::unique_lock<std::mutex> &lock); // data parallel: the next bucket
+    // In-call steps: `item`'s gradients were added (or its job finished); hand what is final.
+    void hand_final(const Item &item, bool nonfinite);
 
     ParamStore &store_;
     GradFlags &flags_;
@@ -80,6 +109,7 @@ class GradAccumulator {
     std::unordered_set<size_t> touched_; // parameters written during this call
     std::exception_ptr error_;
     DataParallel *dp_ = nullptr;
+    std::unique_ptr<FinalTracking> final_; // in-call steps: set from report_final to end_call
     GradientReducer reducer_{store_};
     bool reducing_ = false; // a bucket is off the lock, being reduced
     bool stopping_ = false;

@@ -249,6 +249,10 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
 double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                                const Loss &call_loss, const RunConfig &call,
                                std::vector<at::Tensor> *outputs) {
+    if (in_call_) {
+        check_step_in_call();
+        rethrow_step_error(); // nothing else reports an earlier in-call step's failure
+    }
     share_initial_weights();
     timeline_.begin_call();
     std::optional<HostSpan> phase(std::in_place, timeline_, "caller", "prepare");
@@ -337,6 +341,20 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
     const bool buffers_were_zero = grads_zero_;
     gradients_.begin_call(grads_zero_, 1.0 / scale,
                           dp_ && !on_device ? gradient_jobs_per_param(ctx) : std::vector<int>{});
+    // In-call steps: the call's gradients are the step's, whether it succeeds or not (those
+    // handed over are updated, the rest dropped), so the buffers end zero either way.
+    struct CloseFeed {
+        Model &m;
+        std::shared_ptr<FinalFeed> feed;
+        bool ok = false;
+        ~CloseFeed() {
+            if (!feed)
+                return;
+            m.flags_.clear();
+            m.grads_zero_ = true;
+            feed->close(!ok);
+        }
+    } in_call{*this, in_call_ && ctx.kind == CallKind::Fused ? start_in_call_step(ctx) : nullptr};
     {
         HostSpan span(timeline_, "caller", "pipeline");
         try {
@@ -362,6 +380,7 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
         }
     }
     grads_zero_ = false;
+    in_call.ok = true;
 }
 
 double Model::reported_loss(double local) {
@@ -398,7 +417,15 @@ void Model::publish_completed_step() {
     published_ = enqueued_;
 }
 
+void Model::check_explicit_step() const {
+    if (in_call_)
+        fail(ErrorKind::State, name_ + " steps inside its training calls "
+                                       "(rp_model_set_step_in_call); switch that off first to "
+                                       "step explicitly");
+}
+
 void Model::step(StepUpdate update, bool async) {
+    check_explicit_step();
     // Make the previous step's weights the ones in use, then hand this step the gradients
     // accumulated since: in standard mode by swapping buffers (the next call runs on the weights
     // before this step: staleness one); in memory-saving mode the step consumes `grad` in place
@@ -419,6 +446,9 @@ void Model::step(StepUpdate update, bool async) {
 }
 
 void Model::set_grad_scaler(double initial_scale, int growth_interval) {
+    if (in_call_ && initial_scale > 0)
+        fail(ErrorKind::State, "loss scaling needs every gradient before a step's first update, "
+                               "which in-call steps do not wait for; switch them off first");
     // The optimizer thread reads the scaler in step_may_proceed: no step may be in flight.
     runner_.wait_for(enqueued_);
     scaler_.reset(initial_scale, growth_interval);
@@ -487,28 +517,137 @@ std::vector<at::Tensor> Model::step_grads() const {
     return grads;
 }
 
-void Model::step_builtin(const OptimizerSettings &settings, bool async) {
+BuiltinOptimizer &Model::builtin_optimizer(OptimizerKind kind) {
     if (!builtin_)
-        builtin_ = std::make_unique<BuiltinOptimizer>(settings.kind, store_.saving());
-    else if (builtin_->kind() != settings.kind)
+        builtin_ = std::make_unique<BuiltinOptimizer>(kind, store_.saving());
+    else if (builtin_->kind() != kind)
         fail(ErrorKind::State, std::string("the model already holds ") +
                                    (builtin_->kind() == OptimizerKind::AdamW ? "AdamW" : "SGD") +
                                    " state; use the same optimizer kind for every step");
-    BuiltinOptimizer *opt = builtin_.get();
+    return *builtin_;
+}
+
+void Model::builtin_targets(std::vector<at::Tensor> &params,
+                            std::vector<at::Tensor> &lives) const {
+    for (size_t i = 0; i < store_.size(); ++i) {
+        const Param &p = store_.at(i);
+        // Frozen parameters and buffers: no state, never updated (undefined).
+        params.push_back(p.trainable() ? p.master : at::Tensor());
+        // Saving mode: bf16 weight copies are refreshed inside the update's own pass.
+        const bool fuse = store_.saving() && p.live.scalar_type() == at::kBFloat16;
+        lives.push_back(fuse ? p.live : at::Tensor());
+    }
+}
+
+void Model::step_builtin(const OptimizerSettings &settings, bool async) {
+    check_explicit_step(); // before the optimizer is created
+    BuiltinOptimizer *opt = &builtin_optimizer(settings.kind);
     step(
         [this, opt, settings](const ParamDone &param_done, const std::vector<uint8_t> &has_grad) {
             std::vector<at::Tensor> params, lives;
-            for (size_t i = 0; i < store_.size(); ++i) {
-                const Param &p = store_.at(i);
-                // Frozen parameters and buffers: no state, never updated (undefined).
-                params.push_back(p.trainable() ? p.master : at::Tensor());
-                // Saving mode: bf16 weight copies are refreshed inside the update's own pass.
-                const bool fuse = store_.saving() && p.live.scalar_type() == at::kBFloat16;
-                lives.push_back(fuse ? p.live : at::Tensor());
-            }
+            builtin_targets(params, lives);
             opt->step(params, step_grads(), settings, param_done, lives, has_grad);
         },
         async);
+}
+
+void Model::check_step_in_call() const {
+    if (!store_.saving())
+        fail(ErrorKind::State,
+             "in-call steps need RP_HOST_MEMORY_SAVING: in the standard mode an asynchronous "
+             "rp_step already runs behind the whole next call");
+    if (dp_)
+        fail(ErrorKind::State, "in-call steps do not combine with data parallelism: the "
+                               "gradients are averaged over the ranks before any update");
+    if (scaler_.enabled())
+        fail(ErrorKind::State, "in-call steps do not combine with loss scaling, whose rule "
+                               "needs every gradient before a step's first update; switch it "
+                               "off (rp_model_set_grad_scaler(model, 0, ...))");
+    if (!grads_zero_)
+        fail(ErrorKind::State, "the model holds gradients accumulated since its last step; in "
+                               "an in-call step each call's gradients are its own: call rp_step "
+                               "(with in-call steps off) or rp_zero_grad first");
+}
+
+void Model::set_step_in_call(const OptimizerSettings *settings) {
+    if (!settings) {
+        in_call_.reset();
+        return;
+    }
+    check_step_in_call();
+    builtin_optimizer(settings->kind);
+    in_call_ = *settings;
+}
+
+std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
+    auto feed = std::make_shared<FinalFeed>();
+    gradients_.report_final(gradient_jobs_per_param(ctx),
+                            [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); });
+    // After gate_call: this call uploads what the previous step left, the next one what this
+    // step leaves.
+    const int64_t number = ++enqueued_;
+    runner_.submit([this, feed, number, settings = *in_call_] {
+        run_in_call_step(settings, *feed, number);
+    });
+    return feed;
+}
+
+void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
+                             int64_t number) {
+    std::vector<at::Tensor> params, lives;
+    builtin_targets(params, lives);
+    const std::vector<at::Tensor> grads = step_grads();
+    std::vector<bool> finished(store_.size(), false);
+    auto param_done = [&](size_t i, bool published) {
+        if (!published)
+            store_.finish_step(i);
+        finished[i] = true;
+        gate_.open(i, number);
+    };
+    size_t updated = 0, nonfinite = 0;
+    std::exception_ptr error;
+    FinalFeed::Batch batch;
+    while (feed.pop(batch)) {
+        if (error)
+            continue; // the rest is dropped below; the feed must still be drained
+        std::vector<size_t> which;
+        std::vector<uint8_t> has_grad(store_.size(), 0);
+        for (const GradAccumulator::FinalGradient &f : batch) {
+            which.push_back(f.param);
+            nonfinite += f.nonfinite ? 1 : 0;
+            has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
+            updated += has_grad[f.param] && params[f.param].defined() ? 1 : 0;
+        }
+        try {
+            // One span per part: the trace shows the updates running beside the backward.
+            HostSpan span(timeline_, "optimizer",
+                          "in-call step " + std::to_string(number) + ": " +
+                              std::to_string(which.size()) + " parameter(s)");
+            builtin_->step(params, grads, settings, param_done, lives, has_grad, which);
+        } catch (...) {
+            error = std::current_exception();
+        }
+    }
+    // Whatever happened, the weight copies and the gradient buffers are left ready for the next
+    // call, and every parameter opens to it.
+    for (size_t i = 0; i < store_.size(); ++i)
+        if (!finished[i])
+            store_.finish_step(i);
+    gate_.open_all(number);
+    if (nonfinite > 0 && skip_nonfinite_steps_) {
+        ++nonfinite_skips_;
+        log(LogLevel::Warn, name_ + ": in-call step " + std::to_string(number) + ": " +
+                                std::to_string(nonfinite) +
+                                " gradient(s) hold inf or nan; those parameters are unchanged");
+    }
+    if (feed.failed() && updated > 0)
+        log(LogLevel::Warn, name_ + ": training call failed after its in-call step " +
+                                std::to_string(number) + " had updated " +
+                                std::to_string(updated) +
+                                " parameter(s) whose gradients were final; they keep the "
+                                "update, every other gradient of the call is dropped");
+    if (error)
+        std::rethrow_exception(error);
 }
 
 int64_t Model::host_state_bytes(int64_t *elements) const {

@@ -6,11 +6,13 @@
 #include <map>
 #include <tuple>
 #include <memory>
+#include <optional>
 #include <unordered_set>
 #include <string>
 #include <vector>
 
 #include "engine/data_parallel.h"
+#include "engine/final_feed.h"
 #include "engine/grad_accumulator.h"
 #include "engine/grad_flags.h"
 #include "engine/grad_scaler.h"
@@ -98,6 +100,12 @@ class Model {
     // Queues `update` (which changes master weights from step grads) as the next step.
     void step(StepUpdate update, bool async);
     void step_builtin(const OptimizerSettings &settings, bool async);
+    // In-call steps (memory-saving mode, rp_model_set_step_in_call): each fused training call is
+    // also the built-in optimizer's step over its gradients, each parameter updated on the
+    // optimizer thread as soon as its gradient is final. Null switches back to explicit steps.
+    // Refused, with nothing changed, where the mode cannot hold (check_step_in_call).
+    void set_step_in_call(const OptimizerSettings *settings);
+    bool step_in_call() const { return in_call_.has_value(); }
     void synchronize();
     void zero_grad();
     // Replaces every master weight (all validated by the caller) and drops accumulated grads.
@@ -190,6 +198,21 @@ class Model {
                                            const std::vector<at::Tensor> &inputs) const;
     void publish_completed_step();
     std::vector<at::Tensor> step_grads() const;
+    // The built-in optimizer of `kind` (created at first use; refused if the model holds state
+    // of another kind).
+    BuiltinOptimizer &builtin_optimizer(OptimizerKind kind);
+    // Master weights to update and, in saving mode, the bf16 weight copies the update refreshes
+    // in the same pass (undefined where there is none: frozen parameters, fp32 models).
+    void builtin_targets(std::vector<at::Tensor> &params, std::vector<at::Tensor> &lives) const;
+    // Throws State unless an in-call step can run now: saving mode, no data parallelism, no
+    // loss scaling, no gradients waiting for a step.
+    void check_step_in_call() const;
+    // Throws State while in-call steps are on (explicit steps would race them).
+    void check_explicit_step() const;
+    // In-call steps: queues this call's step on the optimizer thread and has the gradient
+    // thread feed it each final gradient; the caller closes the returned feed when the call ends.
+    std::shared_ptr<FinalFeed> start_in_call_step(const CallContext &ctx);
+    void run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed, int64_t number);
     void run_step(const StepUpdate &update, const GradFlags::Snapshot &grads, int64_t number);
     bool step_may_proceed(const GradFlags::Snapshot &grads, int64_t number);
     void gate_call(CallContext &ctx) const;
@@ -249,6 +272,7 @@ class Model {
     GradFlags flags_{store_.size()};
     GradAccumulator gradients_{store_, flags_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
+    std::optional<OptimizerSettings> in_call_; // in-call steps' settings; none: explicit steps
     GradScaler scaler_;
     StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds
     std::unique_ptr<PendingBackward> pending_;

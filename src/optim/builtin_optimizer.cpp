@@ -32,33 +32,39 @@ GradSpan grad_span(const at::Tensor &g) {
 void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
                             const ParamDone &done, const std::vector<at::Tensor> &lives,
-                            const std::vector<uint8_t> &has_grad) {
+                            const std::vector<uint8_t> &has_grad,
+                            const std::vector<size_t> &which) {
     if (steps_.empty())
         steps_.assign(params.size(), 0);
-    std::vector<bool> update(params.size(), true);
-    for (size_t i = 0; i < has_grad.size() && i < params.size(); ++i)
-        update[i] = has_grad[i] != 0;
-    for (size_t i = 0; i < params.size(); ++i)
-        update[i] = update[i] && params[i].defined(); // frozen parameters and buffers
-    for (size_t i = 0; i < params.size(); ++i)
+    std::vector<size_t> all;
+    if (which.empty())
+        for (size_t i = 0; i < params.size(); ++i)
+            all.push_back(i);
+    const std::vector<size_t> &part = which.empty() ? all : which;
+    std::vector<bool> update(params.size(), false);
+    for (size_t i : part)
+        update[i] = (i >= has_grad.size() || has_grad[i] != 0) &&
+                    params[i].defined(); // undefined: frozen parameters and buffers
+    for (size_t i : part)
         steps_[i] += update[i] ? 1 : 0;
     if (kind_ == OptimizerKind::AdamW)
-        step_adamw(params, grads, s, lives, update, done);
+        step_adamw(params, grads, s, lives, update, part, done);
     else
-        step_sgd(params, grads, s, update, done);
+        step_sgd(params, grads, s, update, part, done);
 }
 
 void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                                   const std::vector<at::Tensor> &grads,
                                   const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
-                                  const std::vector<bool> &update, const ParamDone &done) {
+                                  const std::vector<bool> &update,
+                                  const std::vector<size_t> &which, const ParamDone &done) {
     if (first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
         second_moment_ = zeros_like_all(params, bf16_state_);
         count_state();
     }
     const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i : which) {
         const bool publish = update[i] && bf16_state_ && !lives.empty() && lives[i].defined();
         if (!update[i]) {
         } else if (bf16_state_) {
@@ -78,7 +84,8 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
 
 void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,
                                 const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                                const std::vector<bool> &update, const ParamDone &done) {
+                                const std::vector<bool> &update,
+                                const std::vector<size_t> &which, const ParamDone &done) {
     // Like torch, a momentum buffer starts as the first gradient it sees, which may be after
     // momentum was switched on between steps, or at a parameter's first gradient.
     const bool momentum = s.momentum != 0.0;
@@ -88,7 +95,7 @@ void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,
         seeded_.assign(params.size(), 0);
     }
     const SgdHyper h{s.lr, s.momentum, s.weight_decay};
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i : which) {
         if (update[i]) {
             const bool seed = momentum && !seeded_[i];
             if (bf16_state_)

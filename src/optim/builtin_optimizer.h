@@ -36,12 +36,15 @@ class BuiltinOptimizer {
     // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped).
     // `has_grad` (empty: all) says which parameters received a gradient since the last step;
     // the others are left alone, their state and step count included (torch.optim skips a
-    // parameter whose .grad is None), and reported done unpublished. Runs on the optimizer
-    // thread; state is allocated at the first step.
+    // parameter whose .grad is None), and reported done unpublished. `which` (empty: every
+    // parameter) limits the call to those indices, in that order: a step taken in parts, each
+    // as its parameters' gradients become final (Model's in-call steps); each parameter must be
+    // in exactly one part of a step. Runs on the optimizer thread; state is allocated at the
+    // first call.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
               const OptimizerSettings &settings, const ParamDone &done = {},
               const std::vector<at::Tensor> &lives = {},
-              const std::vector<uint8_t> &has_grad = {});
+              const std::vector<uint8_t> &has_grad = {}, const std::vector<size_t> &which = {});
     // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
     // allocated on the optimizer thread while the caller may ask.
     int64_t state_bytes() const { return state_bytes_; }
@@ -58,10 +61,11 @@ class BuiltinOptimizer {
     void count_state(); // after allocating state
     void step_adamw(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
                     const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
-                    const std::vector<bool> &update, const ParamDone &done);
+                    const std::vector<bool> &update, const std::vector<size_t> &which,
+                    const ParamDone &done);
     void step_sgd(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
                   const OptimizerSettings &s, const std::vector<bool> &update,
-                  const ParamDone &done);
+                  const std::vector<size_t> &which, const ParamDone &done);
 };
 
 } // namespace rp

@@ -1,0 +1,57 @@
+// The hand-over of an in-call step: the gradient thread pushes each batch of final gradients as
+// the call produces them; the optimizer thread takes them in order and updates those parameters
+// until the call closes the feed.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "engine/grad_accumulator.h"
+
+namespace rp {
+
+class FinalFeed {
+  public:
+    using Batch = std::vector<GradAccumulator::FinalGradient>;
+
+    void push(Batch batch) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            batches_.push_back(std::move(batch));
+        }
+        changed_.notify_all();
+    }
+    // Caller thread, once no batch can follow. `failed`: the call failed.
+    void close(bool failed) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            closed_ = true;
+            failed_ = failed;
+        }
+        changed_.notify_all();
+    }
+    // Optimizer thread: the next batch; false once the feed is closed and empty.
+    bool pop(Batch &out) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [&] { return closed_ || !batches_.empty(); });
+        if (batches_.empty())
+            return false;
+        out = std::move(batches_.front());
+        batches_.pop_front();
+        return true;
+    }
+    bool failed() const {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return failed_;
+    }
+
+  private:
+    mutable std::mutex mutex_;
+    std::condition_variable changed_;
+    std::deque<Batch> batches_;
+    bool closed_ = false, failed_ = false;
+};
+
+} // namespace rp

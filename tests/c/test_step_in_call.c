@@ -1,0 +1,488 @@
+/*
+ * test_step_in_call.c - steps inside the training calls (rp_model_set_step_in_call,
+ * docs/semantics.md "Steps inside the training calls").
+ *
+ * What the setting promises, each checked against something independent of it:
+ *  - the weights are bit for bit those of rp_forward_backward + rp_step (the same kernel, the
+ *    same stochastic-rounding streams), over several stages, microbatches, both recompute grains
+ *    and fp32 and bf16 models; the explicit path is itself checked against torch::optim::AdamW in
+ *    test_memory_saving.c, and the in-call weights are checked against it here too;
+ *  - explicit steps, the standard mode, loss scaling and pending gradients are refused with
+ *    nothing changed;
+ *  - a nan loss leaves every weight alone and is counted; training goes on afterwards;
+ *  - a call that fails before any gradient is final (a failing loss callback) leaves no trace;
+ *    one that fails in a backward stage keeps exactly the updates of the parameters whose
+ *    gradients were final (bitwise those of a whole call and an explicit step) and leaves the
+ *    others at their old values, every gradient zero.
+ */
+#include "test_support.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { ROWS = 12, IN = 6, OUT = 3 };
+
+static const char *SPEC =
+    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
+
+static rp_model *make_model(int32_t mode, int32_t dtype, uint64_t seed) {
+    rp_model_options *o = NULL;
+    TS_OK(rp_model_options_create(&o));
+    TS_OK(rp_model_options_set_seed(o, seed));
+    TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(3)));
+    TS_OK(rp_model_options_set_model_dtype(o, dtype));
+    TS_OK(rp_model_options_set_host_memory_mode(o, mode));
+    /* Four stages, so the step arrives in several parts while the call goes on. */
+    const int32_t plan[4] = {2, 2, 2, 1};
+    TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create(&m, SPEC, o));
+    rp_model_options_destroy(o);
+    return m;
+}
+
+typedef struct batch {
+    float x[ROWS * IN], y[ROWS * OUT];
+    DLManagedTensor *in, *lab;
+} batch;
+
+static void batch_init(batch *b, int k) {
+    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+    ts_fill_uniform(b->x, ROWS * IN, 500 + k, -1.f, 1.f);
+    ts_fill_uniform(b->y, ROWS * OUT, 900 + k, -1.f, 1.f);
+    b->in = ts_f32(2, xs, b->x);
+    b->lab = ts_f32(2, ys, b->y);
+}
+
+static void batch_free(batch *b) {
+    ts_free(b->in);
+    ts_free(b->lab);
+}
+
+static rp_status train_call(double *out_loss, rp_model *m, const batch *b, const rp_loss *loss,
+                            const rp_run_config *cfg) {
+    const DLManagedTensor *inputs[1] = {b->in};
+    return rp_forward_backward(out_loss, NULL, m, inputs, 1, b->lab, loss, cfg);
+}
+
+static rp_optimizer *adamw(double lr) {
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, lr));
+    return opt;
+}
+
+/* Five calls on five batches, stepping inside the calls or with rp_step after each. */
+static ts_params *train_five(int in_call, int32_t dtype, int32_t grain, int32_t microbatches,
+                             double *losses) {
+    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, dtype, 17);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(microbatches, grain);
+    rp_optimizer *opt = adamw(1e-2);
+    if (in_call)
+        TS_OK(rp_model_set_step_in_call(m, opt));
+    for (int it = 0; it < 5; ++it) {
+        batch b;
+        batch_init(&b, it);
+        TS_OK(train_call(&losses[it], m, &b, loss, cfg));
+        if (!in_call)
+            TS_OK(rp_step(m, opt, 1));
+        batch_free(&b);
+    }
+    TS_OK(rp_synchronize(m));
+    ts_params *w = ts_masters(m);
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    rp_model_destroy(m);
+    return w;
+}
+
+static void in_call_steps_give_bitwise_the_weights_of_explicit_steps(void **state) {
+    (void)state;
+    const int32_t dtypes[2] = {RP_DTYPE_F32, RP_DTYPE_BF16};
+    const int32_t grains[2] = {RP_GRAIN_STAGE, RP_GRAIN_LAYER};
+    const int32_t microbatches[2] = {1, 3};
+    for (int d = 0; d < 2; ++d)
+        for (int g = 0; g < 2; ++g)
+            for (int k = 0; k < 2; ++k) {
+                double explicit_losses[5], in_call_losses[5];
+                ts_params *want = train_five(0, dtypes[d], grains[g], microbatches[k],
+                                             explicit_losses);
+                ts_params *got = train_five(1, dtypes[d], grains[g], microbatches[k],
+                                            in_call_losses);
+                ts_assert_params_equal(got, want);
+                for (int it = 0; it < 5; ++it)
+                    assert_true(in_call_losses[it] == explicit_losses[it]);
+                /* The steps did something: the loss moved over the five calls (on different
+                 * batches, so compare the trained weights with the initial ones instead). */
+                rp_model *fresh = make_model(RP_HOST_MEMORY_SAVING, dtypes[d], 17);
+                ts_params *initial = ts_masters(fresh);
+                assert_true(ts_rel_err(got->data[0], initial->data[0], got->numel[0], 1e-30) >
+                            1e-3);
+                ts_params_free(initial);
+                rp_model_destroy(fresh);
+                ts_params_free(want);
+                ts_params_free(got);
+            }
+}
+
+/* fp32 model, three calls with in-call AdamW steps against torch::optim::AdamW. Bounds as in
+ * test_memory_saving.c: the first step computes from the fp32 moments it just formed (1e-5);
+ * later ones read moments rounded to bf16 (2^-7 relative), each step moving a weight by at most
+ * lr * 1.012, so three steps stay within 3 * lr * 0.012 = 3.6e-4 plus what those differences do
+ * to the gradients: bound 1e-3. */
+static void in_call_steps_follow_torch_adamw_within_bf16_moments(void **state) {
+    (void)state;
+    const double lr = 1e-2;
+    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 23);
+    ref_model *ref = ts_reference_from(m, SPEC, 23);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_optimizer *opt = adamw(lr);
+    TS_OK(rp_model_set_step_in_call(m, opt));
+    int32_t on = 0;
+    TS_OK(rp_model_step_in_call(&on, m));
+    assert_int_equal(on, 1);
+    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+    for (int it = 0; it < 3; ++it) {
+        batch b;
+        batch_init(&b, it);
+        double got = 0.0, want = 0.0;
+        TS_OK(train_call(&got, m, &b, loss, cfg));
+        ref_tensor rin = {b.x, 0, 2, xs}, rlab = {b.y, 0, 2, ys};
+        ref_fb_args a = {rin, &rlab, 2, 0, 0, it, REF_LOSS_MSE, 1.0};
+        assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
+        if (!(fabs(got - want) <= (it < 2 ? 1e-5 : 1e-2) * fabs(want))) {
+            print_error("iteration %d: loss %.9g, reference %.9g\n", it, got, want);
+            fail();
+        }
+        assert_int_equal(ref_step_adamw(ref, lr, 0.9, 0.999, 1e-8, 1e-2), 0);
+        TS_OK(rp_synchronize(m));
+        ts_params *w = ts_masters(m), *rw = ts_ref_params(ref, 0);
+        double worst = 0.0;
+        for (size_t p = 0; p < w->count; ++p)
+            for (int64_t i = 0; i < w->numel[p]; ++i)
+                worst = fmax(worst, fabs((double)w->data[p][i] - rw->data[p][i]));
+        if (it == 0)
+            ts_assert_params_close(w, rw, 1e-5, "weights after the first in-call step");
+        else if (!(worst <= 1e-3)) {
+            print_error("step %d: largest weight difference %.3g > 1e-3\n", it + 1, worst);
+            fail();
+        }
+        ts_params_free(w);
+        ts_params_free(rw);
+        batch_free(&b);
+    }
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    ref_destroy(ref);
+    rp_model_destroy(m);
+}
+
+static void what_cannot_hold_is_refused_with_nothing_changed(void **state) {
+    (void)state;
+    rp_optimizer *opt = adamw(1e-2);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    batch b;
+    batch_init(&b, 0);
+    int32_t on = -1;
+
+    /* The standard mode: its asynchronous steps already overlap a whole call. */
+    rp_model *std_model = make_model(RP_HOST_MEMORY_STANDARD, RP_DTYPE_F32, 3);
+    TS_ERR(rp_model_set_step_in_call(std_model, opt), RP_ERR_STATE, "RP_HOST_MEMORY_SAVING");
+    TS_OK(rp_model_step_in_call(&on, std_model));
+    assert_int_equal(on, 0);
+    rp_model_destroy(std_model);
+
+    /* fp16: loss scaling is on by default, and its rule needs every gradient first. */
+    rp_model *half = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F16, 3);
+    TS_ERR(rp_model_set_step_in_call(half, opt), RP_ERR_STATE, "loss scaling");
+    rp_model_destroy(half);
+
+    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 3);
+    /* Gradients waiting for a step. */
+    double l = 0.0;
+    TS_OK(train_call(&l, m, &b, loss, cfg));
+    TS_OK(rp_synchronize(m));
+    ts_params *grads = ts_grads(m), *weights = ts_masters(m);
+    TS_ERR(rp_model_set_step_in_call(m, opt), RP_ERR_STATE, "rp_zero_grad");
+    TS_OK(rp_model_step_in_call(&on, m));
+    assert_int_equal(on, 0);
+    ts_params *grads_after = ts_grads(m), *weights_after = ts_masters(m);
+    ts_assert_params_equal(grads_after, grads);
+    ts_assert_params_equal(weights_after, weights);
+    ts_params_free(grads_after);
+    ts_params_free(weights_after);
+
+    /* Explicit steps while on; then off again, and rp_step works. */
+    TS_OK(rp_zero_grad(m));
+    TS_OK(rp_model_set_step_in_call(m, opt));
+    TS_ERR(rp_step(m, opt, 1), RP_ERR_STATE, "rp_model_set_step_in_call");
+    TS_ERR(rp_model_set_grad_scaler(m, 1024.0, 100), RP_ERR_STATE, "in-call");
+    ts_params *untouched = ts_masters(m);
+    ts_assert_params_equal(untouched, weights);
+    ts_params_free(untouched);
+    TS_OK(rp_model_set_step_in_call(m, NULL));
+    TS_OK(rp_model_step_in_call(&on, m));
+    assert_int_equal(on, 0);
+    TS_OK(train_call(&l, m, &b, loss, cfg));
+    TS_OK(rp_step(m, opt, 0));
+    ts_params *stepped = ts_masters(m);
+    assert_true(ts_rel_err(stepped->data[0], weights->data[0], weights->numel[0], 1e-30) > 1e-4);
+    ts_params_free(stepped);
+    TS_ERR(rp_model_set_step_in_call(NULL, opt), RP_ERR_INVALID_ARGUMENT, "null");
+    TS_ERR(rp_model_step_in_call(NULL, m), RP_ERR_INVALID_ARGUMENT, "null");
+
+    ts_params_free(grads);
+    ts_params_free(weights);
+    rp_model_destroy(m);
+    batch_free(&b);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    rp_optimizer_destroy(opt);
+}
+
+static void a_nan_loss_leaves_the_weights_alone(void **state) {
+    (void)state;
+    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 29);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_optimizer *opt = adamw(1e-2);
+    TS_OK(rp_model_set_step_in_call(m, opt));
+    ts_params *before = ts_masters(m);
+    batch b;
+    batch_init(&b, 1);
+    float *labels = b.lab->dl_tensor.data; /* ts_f32 copied b.y: write the tensor itself */
+    labels[5] = NAN;
+    double l = 0.0;
+    TS_OK(train_call(&l, m, &b, loss, cfg));
+    assert_true(isnan(l));
+    TS_OK(rp_synchronize(m));
+    ts_params *after = ts_masters(m);
+    ts_assert_params_equal(after, before);
+    int64_t nan_losses = 0, skipped = 0;
+    TS_OK(rp_model_nonfinite_counts(&nan_losses, &skipped, m));
+    assert_int_equal(nan_losses, 1);
+    assert_int_equal(skipped, 1);
+    /* The dropped gradients are gone: the next finite call trains from clean buffers, like a
+     * fresh model given the same weights (AdamW's first step: moments from this call only). */
+    labels[5] = 0.25f;
+    rp_model *fresh = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 29);
+    TS_OK(train_call(&l, fresh, &b, loss, cfg));
+    TS_OK(rp_step(fresh, opt, 0));
+    TS_OK(train_call(&l, m, &b, loss, cfg));
+    assert_true(isfinite(l));
+    TS_OK(rp_synchronize(m));
+    ts_params *trained = ts_masters(m), *want = ts_masters(fresh);
+    ts_assert_params_equal(trained, want);
+    ts_params_free(trained);
+    ts_params_free(want);
+    rp_model_destroy(fresh);
+    ts_params_free(before);
+    ts_params_free(after);
+    batch_free(&b);
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    rp_model_destroy(m);
+}
+
+static int32_t failing_loss(double *out_loss, DLManagedTensor **out_grad,
+                            const DLManagedTensor *outputs, const DLManagedTensor *labels,
+                            int32_t microbatch, void *user_data) {
+    (void)out_loss;
+    (void)out_grad;
+    (void)outputs;
+    (void)labels;
+    (void)microbatch;
+    (void)user_data;
+    return 7;
+}
+
+static void a_call_failing_before_any_final_gradient_leaves_no_trace(void **state) {
+    (void)state;
+    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 31);
+    rp_loss *bad = NULL, *mse = NULL;
+    TS_OK(rp_loss_create_callback(&bad, failing_loss, NULL));
+    TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_optimizer *opt = adamw(1e-2);
+    TS_OK(rp_model_set_step_in_call(m, opt));
+    batch b;
+    batch_init(&b, 2);
+    ts_params *before = ts_masters(m);
+    double l = 0.0;
+    TS_ERR(train_call(&l, m, &b, bad, cfg), RP_ERR_CALLBACK, "7");
+    TS_OK(rp_synchronize(m));
+    ts_params *after = ts_masters(m), *grads = ts_grads(m);
+    ts_assert_params_equal(after, before);
+    for (size_t p = 0; p < grads->count; ++p)
+        for (int64_t i = 0; i < grads->numel[p]; ++i)
+            assert_true(grads->data[p][i] == 0.0f);
+    /* Still usable, and still stepping inside its calls: like a fresh model's explicit step. */
+    TS_OK(train_call(&l, m, &b, mse, cfg));
+    rp_model *fresh = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 31);
+    TS_OK(train_call(&l, fresh, &b, mse, cfg));
+    TS_OK(rp_step(fresh, opt, 0));
+    TS_OK(rp_synchronize(m));
+    ts_params *trained = ts_masters(m), *want = ts_masters(fresh);
+    ts_assert_params_equal(trained, want);
+    ts_params_free(trained);
+    ts_params_free(want);
+    rp_model_destroy(fresh);
+    ts_params_free(before);
+    ts_params_free(after);
+    ts_params_free(grads);
+    batch_free(&b);
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(bad);
+    rp_loss_destroy(mse);
+    rp_model_destroy(m);
+}
+
+/* ---- a call failing in a backward stage, after the deeper stages were updated ---------------- */
+
+/* A parameter-free caller layer that passes its input through and, when *fail is set, fails in
+ * backward: with it in the first stage, the failure comes after every deeper stage's gradient
+ * is final. CPU devices only (the callbacks read the tensors on the host). */
+static DLManagedTensor *copy_matrix(const DLTensor *t) {
+    const int64_t n = ts_numel(t);
+    float *values = malloc(sizeof(float) * (size_t)n);
+    ts_read_f32(t, values);
+    DLManagedTensor *out = ts_f32(t->ndim, t->shape, values);
+    free(values);
+    return out;
+}
+
+static int32_t pass_forward(rp_tensor_list *out, void **inout_context, const rp_layer_call *call,
+                            const DLManagedTensor *const *inputs, size_t n_inputs, void *ud) {
+    (void)call;
+    (void)ud;
+    (void)n_inputs;
+    if (inout_context)
+        *inout_context = NULL;
+    return rp_tensor_list_push(out, copy_matrix(&inputs[0]->dl_tensor)) == RP_OK ? 0 : 1;
+}
+
+static int32_t pass_backward(rp_tensor_list *in_grads, rp_tensor_list *param_grads, void *ctx,
+                             const rp_layer_call *call, const DLManagedTensor *const *out_grads,
+                             size_t n_outputs, void *ud) {
+    (void)param_grads;
+    (void)ctx;
+    (void)call;
+    (void)n_outputs;
+    if (*(const int *)ud)
+        return 5;
+    return rp_tensor_list_push(in_grads, copy_matrix(&out_grads[0]->dl_tensor)) == RP_OK ? 0 : 1;
+}
+
+static const char *TRIPWIRE_SPEC =
+    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"caller\", \"def\": 0},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
+
+static rp_model *tripwire_model(int *fail_flag) {
+    rp_layer_def *def = NULL;
+    TS_OK(rp_layer_def_create(&def, "c:tripwire", pass_forward, pass_backward, NULL, fail_flag));
+    rp_model_options *o = NULL;
+    TS_OK(rp_model_options_create(&o));
+    TS_OK(rp_model_options_set_seed(o, 37));
+    TS_OK(rp_model_options_set_devices(o, RP_DEVICE_CPU, 3));
+    TS_OK(rp_model_options_set_host_memory_mode(o, RP_HOST_MEMORY_SAVING));
+    const int32_t plan[4] = {3, 2, 2, 1};
+    TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create_with_layers(&m, TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1,
+                                      o));
+    rp_model_options_destroy(o);
+    rp_layer_def_destroy(def);
+    return m;
+}
+
+static void a_call_failing_in_a_backward_stage_keeps_the_final_updates_only(void **state) {
+    (void)state;
+    if (ts_device_kind() == RP_DEVICE_CUDA)
+        skip(); /* the layer reads its tensors on the host */
+    int fail_a = 1, fail_b = 0;
+    rp_model *a = tripwire_model(&fail_a), *b = tripwire_model(&fail_b);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    rp_optimizer *opt = adamw(1e-2);
+    TS_OK(rp_model_set_step_in_call(a, opt));
+    batch bt;
+    batch_init(&bt, 4);
+    ts_params *initial = ts_masters(a);
+    double l = 0.0;
+    TS_ERR(train_call(&l, a, &bt, loss, cfg), RP_ERR_CALLBACK, "tripwire");
+    /* The reference for the parameters whose gradients were final: the whole call and an
+     * explicit step on the twin model (the failing layer's backward does not touch them). */
+    TS_OK(train_call(&l, b, &bt, loss, cfg));
+    TS_OK(rp_step(b, opt, 0));
+    TS_OK(rp_synchronize(a));
+    ts_params *got = ts_masters(a), *stepped = ts_masters(b), *grads = ts_grads(a);
+    size_t first_stage_params = 0;
+    for (size_t p = 0; p < got->count; ++p) {
+        /* Parameters are named "<layer>.<name>": layer 0 is the first stage's only parameters. */
+        const int in_first_stage = got->names[p][0] == '0' && got->names[p][1] == '.';
+        const ts_params *want = in_first_stage ? initial : stepped;
+        first_stage_params += in_first_stage ? 1 : 0;
+        for (int64_t i = 0; i < got->numel[p]; ++i) {
+            if (got->data[p][i] != want->data[p][i]) {
+                print_error("%s[%lld]: %.9g, want %.9g (%s)\n", got->names[p], (long long)i,
+                            got->data[p][i], want->data[p][i],
+                            in_first_stage ? "never final: unchanged" : "final: updated");
+                fail();
+            }
+            assert_true(grads->data[p][i] == 0.0f);
+        }
+    }
+    assert_int_equal(first_stage_params, 2);
+    /* Usable: with the tripwire off, the next call steps as before. */
+    fail_a = 0;
+    TS_OK(train_call(&l, a, &bt, loss, cfg));
+    assert_true(isfinite(l));
+    ts_params_free(initial);
+    ts_params_free(got);
+    ts_params_free(stepped);
+    ts_params_free(grads);
+    batch_free(&bt);
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    rp_model_destroy(a);
+    rp_model_destroy(b);
+}
+
+int main(void) {
+    if (ts_device_kind() == RP_DEVICE_CUDA) {
+        int32_t gpus = 0;
+        if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
+            printf("no CUDA device visible: skipping\n");
+            return 77;
+        }
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(in_call_steps_give_bitwise_the_weights_of_explicit_steps),
+        cmocka_unit_test(in_call_steps_follow_torch_adamw_within_bf16_moments),
+        cmocka_unit_test(what_cannot_hold_is_refused_with_nothing_changed),
+        cmocka_unit_test(a_nan_loss_leaves_the_weights_alone),
+        cmocka_unit_test(a_call_failing_before_any_final_gradient_leaves_no_trace),
+        cmocka_unit_test(a_call_failing_in_a_backward_stage_keeps_the_final_updates_only),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
