@@ -1,8 +1,15 @@
 // The hand-over of an in-call step: the gradient thread pushes each batch of final gradients as
-// the call produces them; the optimizer thread takes them in order and updates those parameters
-// until the call closes the feed.
+// the call produces them; the optimizer thread takes them and updates those parameters until the
+// call closes the feed.
+//
+// Batches arrive deepest stage first (the backward's order), but the next call's forward needs
+// the shallowest first: of the batches waiting, the optimizer takes the one of the lowest
+// parameter index (parameters are numbered in layer order), so a backlog at the end of a call is
+// worked off in the order the next call uploads the stages.
 #pragma once
+#include <algorithm>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <utility>
@@ -38,8 +45,18 @@ class FinalFeed {
         changed_.wait(lock, [&] { return closed_ || !batches_.empty(); });
         if (batches_.empty())
             return false;
-        out = std::move(batches_.front());
-        batches_.pop_front();
+        auto first_param = [](const Batch &b) {
+            size_t lowest = SIZE_MAX;
+            for (const auto &f : b)
+                lowest = std::min(lowest, f.param);
+            return lowest;
+        };
+        auto next = std::min_element(batches_.begin(), batches_.end(),
+                                     [&](const Batch &a, const Batch &b) {
+                                         return first_param(a) < first_param(b);
+                                     });
+        out = std::move(*next);
+        batches_.erase(next);
         return true;
     }
     bool failed() const {
