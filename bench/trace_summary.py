@@ -6,6 +6,8 @@ Per device, over the steady state (from the first compute to the last compute of
   weight_upload_hidden      share of weight-upload time that overlaps compute on the same device;
   *_ms                      total time of each stream;
   *_bytes                   bytes each transfer stream moved (the sum of its events' args.bytes).
+Host threads: host_ms, each thread's busy time by span kind; host_ms_after_pipeline, the part of
+it after the caller's "pipeline" span ended (work the devices' time did not hide).
 
     python3 bench/trace_summary.py trace.json
 """
@@ -56,13 +58,22 @@ def summarise(events):
                for name, spans in sorted(streams.items())},
             **{f"{name}_bytes": total for name, total in sorted(moved.get(device, {}).items())},
         }
-    host = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "host":
-            key = "%s %s" % (e["tid"], e["name"].split(" ")[0])
-            host[key] = round(host.get(key, 0.0) + e["dur"] / 1000.0, 3)
+    host, after = {}, {}
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "host"]
+    # The caller's "pipeline" span ends when the devices are done: host work after it (the
+    # optimizer's in-call updates, the gradient drain) is what the call's GPUs did not hide.
+    end = max((e["ts"] + e["dur"] for e in spans
+               if e["tid"] == "caller" and e["name"] == "pipeline"), default=None)
+    for e in spans:
+        key = "%s %s" % (e["tid"], e["name"].split(" ")[0])
+        host[key] = round(host.get(key, 0.0) + e["dur"] / 1000.0, 3)
+        if end is not None and e["ts"] + e["dur"] > end:
+            late = (e["ts"] + e["dur"] - max(e["ts"], end)) / 1000.0
+            after[key] = round(after.get(key, 0.0) + late, 3)
     if host:
         out["host_ms"] = host
+    if after:
+        out["host_ms_after_pipeline"] = after
     return out
 
 
