@@ -418,6 +418,9 @@ def _declare_calls(fn):
     fn("rp_step", st, [rp_model_p, rp_optimizer_p, c_int32])         # rp_status rp_step(rp_model *model, const rp_optimizer *optimizer, int32_t is_async);
     fn("rp_step_callback", st,
        [rp_model_p, rp_step_fn, c_void_p, c_int32])                  # rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int32_t is_async);
+    fn("rp_model_set_step_in_call", st,
+       [rp_model_p, rp_optimizer_p])                                 # rp_status rp_model_set_step_in_call(rp_model *model, const rp_optimizer *optimizer);
+    fn("rp_model_step_in_call", st, [P(c_int32), rp_model_p])        # rp_status rp_model_step_in_call(int32_t *out_enabled, const rp_model *model);
     fn("rp_synchronize", st, [rp_model_p])                           # rp_status rp_synchronize(rp_model *model);
     fn("rp_zero_grad", st, [rp_model_p])                             # rp_status rp_zero_grad(rp_model *model);
 

@@ -674,6 +674,16 @@ class Model(Owned):
     def step(self, optimizer, is_async):
         lib().rp_step(self.handle, optimizer.handle, int(bool(is_async)))
 
+    def set_step_in_call(self, optimizer):
+        """``rp_model_set_step_in_call``: `optimizer` a built-in optimizer's settings (its
+        ``handle``; the engine copies them) or None (explicit steps again)."""
+        lib().rp_model_set_step_in_call(self.handle,
+                                        optimizer.handle if optimizer is not None else None)
+
+    def step_in_call(self):
+        """``rp_model_step_in_call``: whether training calls step inside."""
+        return bool(query(lib().rp_model_step_in_call, self.handle))
+
     def step_callback(self, key, is_async):
         """Step with the StepCall registered under `key`."""
         lib().rp_step_callback(self.handle, STEP_TRAMPOLINE, key, int(bool(is_async)))

@@ -340,6 +340,12 @@ class RoundPipe(WeightsMixin):
         return self._model.count("step_count", c_int64)
 
     @property
+    def step_in_call(self) -> bool:
+        """Whether each forward_backward is also the optimizer step (:meth:`set_step_in_call`;
+        ``rp_model_step_in_call``)."""
+        return self._model.step_in_call()
+
+    @property
     def grad_scale(self):
         """``(scale, skipped_steps)`` of dynamic loss scaling (scale 0: off)."""
         return self._model.grad_scale()
@@ -563,7 +569,8 @@ class RoundPipe(WeightsMixin):
                          return_outputs=False, run_config=None):
         """Training: forward, loss and backward of every microbatch in one pipelined pass.
 
-        Gradients are added to the accumulated gradients (consumed by the next step()).
+        Gradients are added to the accumulated gradients (consumed by the next step()); with
+        :meth:`set_step_in_call` on, the call is the step itself.
 
         Args:
             input_args: positional inputs (a tuple; a single tensor is accepted too).
@@ -699,6 +706,8 @@ class RoundPipe(WeightsMixin):
                 self._steps.settle(latest_done=True)
             elif callable(step_fn):
                 handover = self._steps.has_scalers() and not self._steps.handed_over
+                if handover and model.step_in_call():
+                    handover = False  # the engine refuses this step: change none of its settings
                 if handover:  # before the step: this step_fn must run, overflow or not
                     self._hand_nonfinite_steps_to_scalers()
                 call = self._steps.begin_step(step_fn, args, kwargs, is_async)
@@ -734,6 +743,33 @@ class RoundPipe(WeightsMixin):
         """Skip (True, the default at construction) or run (False) a step whose gradients
         hold inf or nan, from the next step on (the queued ones finish first)."""
         self._model.call("model_set_skip_nonfinite_steps", int(bool(skip)))
+
+    def set_step_in_call(self, optimizer: Optional[BuiltinOptimizer]) -> None:
+        """Step inside the training calls (``host_memory="saving"`` only;
+        ``rp_model_set_step_in_call``). With a built-in optimizer's settings
+        (roundpipe.optim.AdamW / SGD), every later forward_backward is also the optimizer step
+        over its own gradients: it leaves the weights forward_backward followed by
+        ``step(optimizer, is_async=False)`` would, bit for bit, but each parameter is updated on
+        the optimizer thread as soon as its gradient is final, so the step hides behind the
+        backward. The settings are copied: a later change to `optimizer` counts once it is
+        passed here again. ``None`` switches back to explicit steps.
+
+        While on, one call is one step (no accumulation over calls), :meth:`step` raises
+        RoundPipeError (``Status.STATE``), a parameter without a gradient in the call is left
+        alone, and one whose gradient holds inf or nan too (the step is counted as skipped,
+        :meth:`nonfinite_counts`, unless ``set_skip_nonfinite_steps(False)``). A call that fails
+        in its backward keeps the updates already made and drops the other gradients. No
+        ``step_fn`` runs, so a :class:`roundpipe.GradScaler` cannot unscale these steps.
+
+        Raises TypeError, with nothing changed, when `optimizer` is neither None nor a built-in
+        optimizer; RoundPipeError (``Status.STATE``), with nothing changed, for a model in the
+        standard host memory mode, with data parallelism or the engine's loss scaler, holding
+        optimizer state of another kind, or holding gradients accumulated since its last step
+        (:meth:`step` or :meth:`zero_grad` first)."""
+        if optimizer is not None and not isinstance(optimizer, BuiltinOptimizer):
+            raise TypeError("set_step_in_call takes a roundpipe.optim built-in optimizer "
+                            "(AdamW, SGD) or None, not %s" % type(optimizer).__name__)
+        self._model.set_step_in_call(optimizer)
 
     def _hand_nonfinite_steps_to_scalers(self) -> None:
         """A roundpipe.GradScaler serves this model's steps: from now on the engine neither

@@ -814,6 +814,18 @@ rp_step_callback(model, fn, user_data, is_async) =
           (Ptr{rp_model}, rp_step_fn, Ptr{Cvoid}, Int32),
           model, fn, user_data, is_async)
 
+# rp_status rp_model_set_step_in_call(rp_model *model, const rp_optimizer *optimizer);
+rp_model_set_step_in_call(model, optimizer) =
+    ccall((:rp_model_set_step_in_call, libroundpipe()), rp_status,
+          (Ptr{rp_model}, Ptr{rp_optimizer}),
+          model, optimizer)
+
+# rp_status rp_model_step_in_call(int32_t *out_enabled, const rp_model *model);
+rp_model_step_in_call(out_enabled, model) =
+    ccall((:rp_model_step_in_call, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{rp_model}),
+          out_enabled, model)
+
 # rp_status rp_synchronize(rp_model *model);
 rp_synchronize(model) = ccall((:rp_synchronize, libroundpipe()), rp_status, (Ptr{rp_model},), model)
 

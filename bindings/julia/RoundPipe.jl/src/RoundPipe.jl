@@ -39,6 +39,7 @@ export Model, RunConfig, Loss, Optimizer, RoundPipeError, StepContext
 export forward, forward_backward, step!, synchronize!, zero_grad!, adam_apply!
 export num_layers, num_stages, num_devices, step_count, host_state_bytes, trace_json
 export nonfinite_counts, set_grad_scaler!, set_skip_nonfinite_steps!
+export set_step_in_call!, step_in_call
 export DataParallel, data_parallel, data_parallel_available
 export stage_plan, set_stage_plan!, backward_stage_plan, set_backward_stage_plan!
 export resolve_run_config, split_microbatches

@@ -104,6 +104,36 @@ function step!(f::Function, m::Model; async::Bool=true)
     return m
 end
 
+"""
+    set_step_in_call!(model, optimizer)
+    set_step_in_call!(model, nothing)
+
+Step inside the training calls (models built with `host_memory=:saving` only;
+`rp_model_set_step_in_call`). With an `Optimizer`, every later `forward_backward` is also the
+optimizer step over its own gradients: it leaves the weights `forward_backward` followed by
+`step!(model, optimizer; async=false)` would, bit for bit, but each parameter is updated on the
+optimizer thread as soon as its gradient is final, so the step hides behind the backward. The
+settings are copied (pass the optimizer again after changing it); `nothing` switches back to
+explicit steps. While on, one call is one step (no accumulation over calls), `step!` throws
+(`RP_ERR_STATE`), and a parameter without a gradient, or with inf or nan in it, is left alone.
+Throws `RoundPipeError` (`RP_ERR_STATE`, nothing changed) for a standard-mode model, with data
+parallelism or loss scaling, optimizer state of another kind, or gradients held since the last
+step (`step!` or `zero_grad!` first).
+"""
+function set_step_in_call!(m::Model, opt::Union{Optimizer,Nothing})
+    mp = _ptr(m)
+    op = opt === nothing ? Ptr{L.rp_optimizer}(C_NULL) : _ptr(opt)
+    GC.@preserve opt @check L.rp_model_set_step_in_call(mp, op)
+    return m
+end
+
+"Whether each `forward_backward` is also the optimizer step (`set_step_in_call!`)."
+function step_in_call(m::Model)
+    enabled = Ref{Int32}(0)
+    @check L.rp_model_step_in_call(enabled, _ptr(m))
+    return enabled[] != 0
+end
+
 "Wait for every pending step and publish the latest master weights."
 function synchronize!(m::Model)
     mp = _ptr(m)

@@ -655,6 +655,11 @@ extern "C" {
         user_data: *mut c_void,
         is_async: i32,
     ) -> rp_status;
+    pub fn rp_model_set_step_in_call(
+        model: *mut rp_model,
+        optimizer: *const rp_optimizer,
+    ) -> rp_status;
+    pub fn rp_model_step_in_call(out_enabled: *mut i32, model: *const rp_model) -> rp_status;
     pub fn rp_synchronize(model: *mut rp_model) -> rp_status;
     pub fn rp_zero_grad(model: *mut rp_model) -> rp_status;
 

@@ -609,6 +609,38 @@ impl Model {
         r
     }
 
+    /// Steps inside the training calls (`rp_model_set_step_in_call`; models built with
+    /// [`HostMemoryMode::Saving`](crate::HostMemoryMode::Saving) only). With `Some(optimizer)`,
+    /// every later `forward_backward` is also the optimizer step over its own gradients: it
+    /// leaves the weights `forward_backward` followed by a synchronous [`step`](Self::step)
+    /// would, bit for bit, but each parameter is updated on the optimizer thread as soon as its
+    /// gradient is final, so the step hides behind the backward. The settings are copied (pass
+    /// the optimizer again after changing it); `None` switches back to explicit steps.
+    ///
+    /// While on, one call is one step (no accumulation over calls), [`step`](Self::step) and
+    /// [`step_with`](Self::step_with) fail with `Status::State`, a parameter without a gradient
+    /// in the call is left alone, and so is one whose gradient holds inf or nan (the step is
+    /// counted as skipped, unless [`set_skip_nonfinite_steps`](Self::set_skip_nonfinite_steps)
+    /// says otherwise). A call that fails in its backward keeps the updates already made and
+    /// drops the other gradients.
+    ///
+    /// Fails with `Status::State`, nothing changed, for a model in
+    /// [`HostMemoryMode::Standard`](crate::HostMemoryMode::Standard), with data parallelism or
+    /// loss scaling, holding optimizer state of another kind, or holding gradients accumulated
+    /// since its last step ([`step`](Self::step) or [`zero_grad`](Self::zero_grad) first).
+    pub fn set_step_in_call(&mut self, optimizer: Option<&Optimizer>) -> Result<()> {
+        let opt = optimizer.map_or(std::ptr::null(), |o| o.as_ptr());
+        check(unsafe { sys::rp_model_set_step_in_call(self.ptr.as_ptr(), opt) })
+    }
+
+    /// Whether each training call is also the optimizer step
+    /// ([`set_step_in_call`](Self::set_step_in_call); `rp_model_step_in_call`).
+    pub fn step_in_call(&self) -> Result<bool> {
+        let mut on = 0;
+        check(unsafe { sys::rp_model_step_in_call(&mut on, self.ptr.as_ptr()) })?;
+        Ok(on != 0)
+    }
+
     /// A step computed by `f` on the optimizer thread: it gets the master weights and this
     /// step's gradients through [`StepContext`] and updates the weights in place. An `Err` or a
     /// panic is reported by this call (sync) or by the next step / synchronize (async).
