@@ -37,11 +37,15 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
     }
 }
 
-void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn) {
+void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn,
+                                   std::atomic<int64_t> *lent, int64_t lend_limit) {
     std::lock_guard<std::mutex> lock(mutex_);
     require(!dp_ && buffers_zero_, "in-call steps need zeroed gradients and no data parallelism");
     auto t = std::make_unique<FinalTracking>();
     t->fn = std::move(fn);
+    t->landed.resize(jobs_per_param.size());
+    t->lent = lent;
+    t->lend_limit = lend_limit;
     t->jobs = t->jobs_left = jobs_per_param;
     t->delivered.assign(jobs_per_param.size(), 0);
     t->nonfinite.assign(jobs_per_param.size(), 0);
@@ -57,7 +61,8 @@ void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
         // as many deliveries as jobs means no job is left to add to it.
         if (!t.handed[p] && (t.jobs_left[p] == 0 || t.delivered[p] == t.jobs[p])) {
             t.handed[p] = 1;
-            ready.push_back({p, t.delivered[p] > 0, t.nonfinite[p] != 0});
+            ready.push_back({p, t.delivered[p] > 0, t.nonfinite[p] != 0, std::move(t.landed[p])});
+            t.landed[p] = at::Tensor();
         }
     };
     if (item.job_done) {
@@ -80,6 +85,16 @@ void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
             touched_.erase(f.param); // the listener's now: a failure must not zero it
     }
     t.fn(std::move(ready));
+}
+
+bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tensor &dst,
+                               double factor) const {
+    if (!final_ || final_->jobs[p] != 1 || !buffers_zero_ || factor != 1.0 ||
+        grad.scalar_type() != dst.scalar_type() || !grad.is_contiguous() ||
+        grad.sizes() != dst.sizes())
+        return false;
+    const int64_t bytes = static_cast<int64_t>(grad.nbytes());
+    return final_->lent->load() + bytes <= final_->lend_limit;
 }
 
 void GradAccumulator::enqueue(Item item) {
@@ -206,6 +221,11 @@ void GradAccumulator::apply(const Item &item) {
     for (const auto &g : item.grads) {
         flags_.mark(g.first);
         at::Tensor &dst = store_.at(g.first).grad;
+        if (may_lend(g.first, g.second, dst, factor)) { // handed below, the buffer untouched
+            final_->lent->fetch_add(static_cast<int64_t>(g.second.nbytes()));
+            final_->landed[g.first] = g.second;
+            continue;
+        }
         bool first;
         {
             std::lock_guard<std::mutex> lock(mutex_);

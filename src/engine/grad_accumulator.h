@@ -15,6 +15,7 @@
 // contribution added, the gradient is final and handed to a listener, which updates the
 // parameter while the call goes on.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -52,13 +53,22 @@ class GradAccumulator {
         size_t param;
         bool received;  // some job delivered one (a parameter no microbatch reached has none)
         bool nonfinite; // a contribution held inf or nan
+        // Defined: the gradient where its download landed, lent instead of copied into the
+        // store's buffer (which was left untouched, so still zero); see report_final.
+        at::Tensor landed;
     };
     using FinalFn = std::function<void(std::vector<FinalGradient>)>;
     // Caller thread, after begin_call with zero buffers and before the call's jobs start (not
     // with data parallelism): calls `fn` on this accumulator's thread with each parameter's
     // gradient once every job of `jobs_per_param` that delivers it has been added. A handed
     // gradient is the listener's: a failing call no longer zeroes it. Until end_call.
-    void report_final(const std::vector<int> &jobs_per_param, FinalFn fn);
+    // A gradient one job delivers whole (every parameter but a tied one) is not copied at all:
+    // the download is lent as FinalGradient::landed, which spares the host a read and a write of
+    // every gradient byte, and the end of the call the copy of the first stage's. While `*lent`
+    // (bytes lent and not yet given back: the listener subtracts them) would exceed
+    // `lend_limit`, gradients are copied as usual, so pinned staging memory stays bounded.
+    void report_final(const std::vector<int> &jobs_per_param, FinalFn fn,
+                      std::atomic<int64_t> *lent, int64_t lend_limit);
     // Worker threads: (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
     // and `checks`, 0-d host tensors whose sum is the sum of those gradients (inf or nan when
     // any element is), computed on the device so the host need not read them twice.
@@ -88,7 +98,12 @@ class GradAccumulator {
         FinalFn fn;
         std::vector<int> jobs_left, delivered, jobs;
         std::vector<uint8_t> nonfinite, handed;
+        std::vector<at::Tensor> landed; // lent downloads, until handed
+        std::atomic<int64_t> *lent = nullptr;
+        int64_t lend_limit = 0;
     };
+    // In-call steps: whether `grad`, parameter p's only contribution, can be lent as it landed.
+    bool may_lend(size_t p, const at::Tensor &grad, const at::Tensor &dst, double factor) const;
     void loop();
     void apply(const Item &item);
     void enqueue(Item item); // under the lock: apply now, or hold until the call succeeds

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "base/error.h"
+#include "base/host_memory.h"
 #include "engine/cuda_memory.h"
 #include "base/log.h"
 
@@ -577,12 +578,18 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     check_step_in_call();
     builtin_optimizer(settings->kind);
     in_call_ = *settings;
+    // Pinned staging memory the lent gradients may hold at once: an eighth of what the host
+    // has left, at most 8 GiB (Qwen3-8B's first stage's gradients are about 3.5 GB).
+    const int64_t available = available_host_memory().bytes;
+    lend_limit_ = std::min<int64_t>(int64_t{8} << 30, available > 0 ? available / 8 : 0);
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
     auto feed = std::make_shared<FinalFeed>();
-    gradients_.report_final(gradient_jobs_per_param(ctx),
-                            [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); });
+    gradients_.report_final(
+        gradient_jobs_per_param(ctx),
+        [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); }, &lent_gradient_bytes_,
+        lend_limit_);
     // After gate_call: this call uploads what the previous step left, the next one what this
     // step leaves.
     const int64_t number = ++enqueued_;
@@ -596,7 +603,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
                              int64_t number) {
     std::vector<at::Tensor> params, lives;
     builtin_targets(params, lives);
-    const std::vector<at::Tensor> grads = step_grads();
+    std::vector<at::Tensor> grads = step_grads(); // lent downloads stand in while updated
     std::vector<bool> finished(store_.size(), false);
     auto param_done = [&](size_t i, bool published) {
         if (!published)
@@ -607,9 +614,20 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
     size_t updated = 0, nonfinite = 0;
     std::exception_ptr error;
     FinalFeed::Batch batch;
+    // Gives the batch's lent downloads back (the memory returns to the pinned pool).
+    auto give_back = [&] {
+        for (GradAccumulator::FinalGradient &f : batch)
+            if (f.landed.defined()) {
+                lent_gradient_bytes_ -= static_cast<int64_t>(f.landed.nbytes());
+                grads[f.param] = store_.step_grad(f.param);
+            }
+        batch.clear();
+    };
     while (feed.pop(batch)) {
-        if (error)
-            continue; // the rest is dropped below; the feed must still be drained
+        if (error) {
+            give_back(); // the rest is dropped below; the feed must still be drained
+            continue;
+        }
         std::vector<size_t> which;
         std::vector<uint8_t> has_grad(store_.size(), 0);
         for (const GradAccumulator::FinalGradient &f : batch) {
@@ -617,6 +635,8 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
             nonfinite += f.nonfinite ? 1 : 0;
             has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
             updated += has_grad[f.param] && params[f.param].defined() ? 1 : 0;
+            if (f.landed.defined())
+                grads[f.param] = f.landed;
         }
         try {
             // One span per part: the trace shows the updates running beside the backward.
@@ -627,6 +647,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
         } catch (...) {
             error = std::current_exception();
         }
+        give_back();
     }
     // Whatever happened, the weight copies and the gradient buffers are left ready for the next
     // call, and every parameter opens to it.
