@@ -480,10 +480,12 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
                      int64_t number) {
     HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
     const bool saving = store_.saving();
-    std::vector<bool> finished(saving ? store_.size() : 0, false);
+    std::vector<bool> finished(store_.size(), false);
     auto param_done = [&](size_t i, bool published) {
-        if (!saving)
+        if (!saving) { // the next call reads `staged` only once the whole step is published
+            finished[i] = published;
             return;
+        }
         if (!published)
             store_.finish_step(i);
         finished[i] = true;
@@ -498,15 +500,15 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
     } catch (...) {
         error = std::current_exception();
     }
-    if (saving) {
-        for (size_t i = 0; i < store_.size(); ++i)
-            if (!finished[i])
+    for (size_t i = 0; i < store_.size(); ++i)
+        if (!finished[i]) {
+            if (saving)
                 store_.finish_step(i);
+            else
+                store_.finish_standard_step(i);
+        }
+    if (saving)
         gate_.open_all(number);
-    } else {
-        store_.stage_from_master();
-        store_.zero_step_grads();
-    }
     if (error)
         std::rethrow_exception(error);
 }
@@ -534,9 +536,11 @@ void Model::builtin_targets(std::vector<at::Tensor> &params,
         const Param &p = store_.at(i);
         // Frozen parameters and buffers: no state, never updated (undefined).
         params.push_back(p.trainable() ? p.master : at::Tensor());
-        // Saving mode: bf16 weight copies are refreshed inside the update's own pass.
-        const bool fuse = store_.saving() && p.live.scalar_type() == at::kBFloat16;
-        lives.push_back(fuse ? p.live : at::Tensor());
+        // bf16 weight copies are refreshed inside the update's own pass: in saving mode the one
+        // the devices read, in the standard mode the staged one the next publish swaps in.
+        const at::Tensor &copy = store_.saving() ? p.live : p.staged;
+        const bool fuse = p.trainable() && copy.defined() && copy.scalar_type() == at::kBFloat16;
+        lives.push_back(fuse ? copy : at::Tensor());
     }
 }
 

@@ -207,16 +207,12 @@ void ParamStore::swap_grads() {
         std::swap(p.grad, p.step_grad);
 }
 
-void ParamStore::zero_step_grads() {
-    for (Param &p : params_)
-        if (p.step_grad.defined())
-            p.step_grad.zero_();
-}
-
-void ParamStore::stage_from_master() {
-    for (Param &p : params_)
-        if (p.staged.defined())
-            p.staged.copy_(p.master);
+void ParamStore::finish_standard_step(size_t i) {
+    Param &p = params_[i];
+    if (p.staged.defined())
+        p.staged.copy_(p.master);
+    if (p.step_grad.defined())
+        p.step_grad.zero_();
 }
 
 void ParamStore::publish_staged() {

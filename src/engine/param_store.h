@@ -77,8 +77,9 @@ class ParamStore {
     void zero_grads();
     // Standard mode only: the double buffers of weights and gradients.
     void swap_grads();            // grad <-> step_grad; step_grad must be zero
-    void zero_step_grads();
-    void stage_from_master();     // staged = master (optimizer thread)
+    // Optimizer thread, after a step left parameter i alone (or updated it without refreshing
+    // its copy): staged = master, step_grad = 0.
+    void finish_standard_step(size_t i);
     void publish_staged();        // live <-> staged
     // Memory-saving mode, optimizer thread: parameter i's live copy = master, gradient = 0.
     void finish_step(size_t i);

@@ -65,8 +65,13 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
     }
     const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
     for (size_t i : which) {
-        const bool publish = update[i] && bf16_state_ && !lives.empty() && lives[i].defined();
+        const bool publish = update[i] && !lives.empty() && lives[i].defined();
         if (!update[i]) {
+        } else if (publish && !bf16_state_) {
+            adamw_update_publish(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
+                                 first_moment_[i].data_ptr<float>(),
+                                 second_moment_[i].data_ptr<float>(), params[i].numel(), h,
+                                 steps_[i], bf16_bits(lives[i]));
         } else if (bf16_state_) {
             adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
                                     bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),

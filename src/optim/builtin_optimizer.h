@@ -31,9 +31,10 @@ class BuiltinOptimizer {
     using ParamDone = std::function<void(size_t i, bool published)>;
 
     // Updates `params` (fp32, contiguous, CPU) in place from `grads` (fp32, or bf16 with
-    // bf16 state), in order, calling `done` (if set) after each. With bf16 state, `lives` (empty,
-    // or one per parameter) names bf16 weight copies to refresh from the update while its data
-    // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped).
+    // bf16 state), in order, calling `done` (if set) after each. `lives` (empty, or one per
+    // parameter) names bf16 weight copies to refresh from the update while its data is in cache,
+    // zeroing the gradient too (AdamW only; undefined entries are skipped; with fp32 state the
+    // gradients must be fp32).
     // `has_grad` (empty: all) says which parameters received a gradient since the last step;
     // the others are left alone, their state and step count included (torch.optim skips a
     // parameter whose .grad is None), and reported done unpublished. `which` (empty: every

@@ -161,8 +161,25 @@ typedef struct hyper {
 
 /* Run `steps` sync steps with hyperparameters hp[t] (the optimizer object is reused, so a
  * changed learning rate must take effect at the next step), comparing after each. */
-static void run(kind k, const hyper *hp, int steps, rp_optimizer *opt, int set_values) {
-    rp_model *model = ts_model(SPEC, 41, 2, NULL, 0);
+static rp_model *model_of(int32_t dtype) {
+    if (dtype == RP_DTYPE_F32)
+        return ts_model(SPEC, 41, 2, NULL, 0);
+    rp_model_options *o = NULL;
+    TS_OK(rp_model_options_create(&o));
+    TS_OK(rp_model_options_set_seed(o, 41));
+    TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(2)));
+    TS_OK(rp_model_options_set_model_dtype(o, dtype));
+    rp_model *model = NULL;
+    TS_OK(rp_model_create(&model, SPEC, o));
+    rp_model_options_destroy(o);
+    return model;
+}
+
+/* `dtype`: the model dtype. The masters and the gradients the steps read are fp32 either way;
+ * a bf16 model's standard-mode step also writes its bf16 weight copy in the same pass. */
+static void run_dtype(kind k, const hyper *hp, int steps, rp_optimizer *opt, int set_values,
+                      int32_t dtype) {
+    rp_model *model = model_of(dtype);
     ts_params *w = ts_masters(model);
     dref *r = dref_from(w);
     double **ref_before = calloc(r->count, sizeof(double *));
@@ -202,6 +219,71 @@ static void run(kind k, const hyper *hp, int steps, rp_optimizer *opt, int set_v
     free(ref_before);
     ts_params_free(w);
     dref_free(r);
+    rp_model_destroy(model);
+}
+
+static void run(kind k, const hyper *hp, int steps, rp_optimizer *opt, int set_values) {
+    run_dtype(k, hp, steps, opt, set_values, RP_DTYPE_F32);
+}
+
+static void adamw_on_a_bf16_model_matches_torch_formula(void **state) {
+    (void)state;
+    hyper hp[3];
+    for (int t = 0; t < 3; ++t)
+        hp[t] = (hyper){1e-2, 0.8, 0.99, 1e-6, 0.05, 0};
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    run_dtype(ADAMW, hp, 3, opt, 1, RP_DTYPE_BF16);
+    rp_optimizer_destroy(opt);
+}
+
+/* A bf16 model in the standard mode: the step writes the weight copy the next call reads in its
+ * own pass over the master, and zeroes the gradients it consumed. Checked against the plain
+ * tensor copy rp_synchronize makes (the weights in use after a synchronous step must compute
+ * what the master rounded by that copy computes, bit for bit) and against the gradients the
+ * next step but one reads back (the buffer two steps consume in turn must start at zero). */
+static void bf16_standard_steps_publish_the_rounded_master_and_zero_the_gradients(void **state) {
+    (void)state;
+    rp_model *model = model_of(RP_DTYPE_BF16);
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, 1e-2));
+    float x[8];
+    ts_fill_uniform(x, 8, 99, -1.f, 1.f);
+    int64_t xs[2] = {8, 1};
+    DLManagedTensor *in = ts_f32(2, xs, x);
+    const DLManagedTensor *inputs[1] = {in};
+    uint16_t after_step[24], after_refresh[24]; /* the bf16 outputs' bits */
+    for (int t = 0; t < 2; ++t) {
+        fb(model, t);
+        TS_OK(rp_step(model, opt, 0)); /* synchronous: the step's weights are the ones in use */
+    }
+    rp_tensor_list *out = NULL;
+    DLManagedTensor *o = NULL;
+    TS_OK(rp_forward(&out, model, inputs, 1, NULL));
+    TS_OK(rp_tensor_list_get(&o, out, 0));
+    assert_int_equal(ts_numel(&o->dl_tensor), 24);
+    assert_int_equal(o->dl_tensor.dtype.bits, 16);
+    memcpy(after_step, (const char *)o->dl_tensor.data + o->dl_tensor.byte_offset,
+           sizeof after_step);
+    ts_free(o);
+    rp_tensor_list_destroy(out);
+    /* The gradient buffer the first step consumed is the one accumulating now: zero. */
+    TS_OK(rp_synchronize(model)); /* also copies every master into the weights in use */
+    ts_params *g = ts_grads(model);
+    for (size_t i = 0; i < g->count; ++i)
+        for (int64_t j = 0; j < g->numel[i]; ++j)
+            assert_true(g->data[i][j] == 0.0f);
+    ts_params_free(g);
+    TS_OK(rp_forward(&out, model, inputs, 1, NULL));
+    TS_OK(rp_tensor_list_get(&o, out, 0));
+    memcpy(after_refresh, (const char *)o->dl_tensor.data + o->dl_tensor.byte_offset,
+           sizeof after_refresh);
+    ts_free(o);
+    rp_tensor_list_destroy(out);
+    assert_memory_equal(after_step, after_refresh, sizeof after_step);
+    ts_free(in);
+    rp_optimizer_destroy(opt);
     rp_model_destroy(model);
 }
 
@@ -544,6 +626,8 @@ static void adam_apply_allows_shared_gradients_and_empty_calls(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(adamw_matches_torch_formula_for_all_param_sizes),
+        cmocka_unit_test(adamw_on_a_bf16_model_matches_torch_formula),
+        cmocka_unit_test(bf16_standard_steps_publish_the_rounded_master_and_zero_the_gradients),
         cmocka_unit_test(adamw_defaults_are_pytorch_defaults),
         cmocka_unit_test(adamw_learning_rate_and_betas_changes_take_effect_at_next_step),
         cmocka_unit_test(sgd_momentum_and_weight_decay_match_torch_formula),
