@@ -5,6 +5,9 @@
 //   bf16        rp::adamw_update_bf16_state: the memory-saving mode's kernel (bf16 gradient and
 //               moments with stochastic rounding; 18 bytes of traffic per parameter)
 //   copy        a plain memcpy split over the same threads, for the achievable bytes/s
+//   step        the standard mode's step for a bf16 model as three passes: rp::adamw_update,
+//               then the bf16 weight copy (a tensor copy of the master) and the gradient zeroed
+//   publish     the same in one pass: rp::adamw_update_publish (the engine's step since round 9)
 // and prints one JSON line with times, parameters/s, bytes/s and ratios.
 //
 //   adamw_bench --params 2.5e8 --tensors 16 --reps 5
@@ -36,14 +39,16 @@ struct Options {
     int64_t params = 250000000;
     int64_t tensors = 16;
     int reps = 5, warmup = 1, threads = 0;
-    std::vector<std::string> variants = {"ours", "fused", "torch", "bf16", "copy"};
+    std::vector<std::string> variants = {"ours", "fused", "torch", "bf16", "copy", "step",
+                                         "publish"};
     std::string label;
 };
 
 [[noreturn]] void usage(const char *argv0, const std::string &why) {
     std::fprintf(stderr,
                  "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
-                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy (order of the runs)] [--label TEXT]\n",
+                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish (order of the"
+                 " runs)] [--label TEXT]\n",
                  why.c_str(), argv0);
     std::exit(2);
 }
@@ -68,7 +73,7 @@ Options parse(int argc, char **argv) {
                 std::string item;
                 while (std::getline(ss, item, ',')) {
                     if (item != "ours" && item != "fused" && item != "torch" && item != "copy" &&
-                        item != "bf16")
+                        item != "bf16" && item != "step" && item != "publish")
                         usage(argv[0], "unknown variant '" + item + "'");
                     o.variants.push_back(item);
                 }
@@ -229,8 +234,37 @@ Timing time_copy(const Options &o, Arrays &a) {
     });
 }
 
+// The standard-mode step of a bf16 model, unfused and fused: each variant writes bf16 weight
+// copies of its own and zeroes the gradients (the values do not change the work).
+Timing time_standard_step(const Options &o, Arrays &a, bool fused) {
+    std::vector<at::Tensor> staged;
+    for (const at::Tensor &p : a.P)
+        staged.push_back(at::zeros_like(p, at::kBFloat16));
+    int64_t step = 0;
+    const char *name = fused ? "publish (rp::adamw_update_publish)"
+                             : "step (rp::adamw_update, copy to bf16, zero the gradient)";
+    return time_it(name, o.warmup, o.reps, [&] {
+        ++step;
+        for (size_t i = 0; i < a.P.size(); ++i) {
+            float *p = a.P[i].data_ptr<float>(), *g = a.G[i].data_ptr<float>();
+            float *m = a.M[i].data_ptr<float>(), *v = a.V[i].data_ptr<float>();
+            const rp::AdamWHyper h{kLr, kBeta1, kBeta2, kEps, kWd};
+            if (fused) {
+                rp::adamw_update_publish(p, g, m, v, a.P[i].numel(), h, step,
+                                         reinterpret_cast<uint16_t *>(
+                                             staged[i].data_ptr<at::BFloat16>()));
+            } else {
+                rp::adamw_update(p, g, m, v, a.P[i].numel(), h, step);
+                staged[i].copy_(a.P[i]);
+                a.G[i].zero_();
+            }
+        }
+    });
+}
+
 struct Timings {
-    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN};
+    Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN},
+        step{NAN, NAN}, publish{NAN, NAN};
 };
 
 void print_report(const Options &o, int threads, const Timings &t, double max_diff) {
@@ -258,6 +292,7 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         "\"ours_fraction_of_copy_bw\":%.4f,\"fused_fraction_of_copy_bw\":%.4f,"
         "\"bf16_state_ms\":%.3f,\"bf16_state_gparams_per_s\":%.3f,"
         "\"bf16_state_speedup_vs_fused\":%.4f,"
+        "\"standard_step_ms\":%.3f,\"publish_ms\":%.3f,\"publish_speedup_vs_step\":%.4f,"
         "\"max_abs_diff_vs_fused\":%.3g}\n",
         max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
         static_cast<long long>(o.tensors), threads, o.reps, t.ours.median_ms, t.ours.min_ms,
@@ -266,7 +301,8 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         copy_gbps, t.fused.median_ms / t.ours.median_ms,
         t.torch_adamw.median_ms / t.ours.median_ms, gbps(t.ours) / copy_gbps,
         gbps(t.fused) / copy_gbps, t.bf16.median_ms, gparams(t.bf16),
-        t.fused.median_ms / t.bf16.median_ms, max_diff);
+        t.fused.median_ms / t.bf16.median_ms, t.step.median_ms, t.publish.median_ms,
+        t.step.median_ms / t.publish.median_ms, max_diff);
 }
 
 } // namespace
@@ -292,6 +328,10 @@ int main(int argc, char **argv) {
             t.bf16 = time_bf16_state(o, a);
         else if (variant == "copy")
             t.copy = time_copy(o, a);
+        else if (variant == "step")
+            t.step = time_standard_step(o, a, false);
+        else if (variant == "publish")
+            t.publish = time_standard_step(o, a, true);
     }
     const double max_diff = check_against_fused();
     print_report(o, threads, t, max_diff);
