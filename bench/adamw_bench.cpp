@@ -279,9 +279,12 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         double f = std::pow(10.0, d);
         return std::round(v * f) / f;
     };
+    // A variant that was not run has NaN figures: JSON has no NaN, so the line is printed with
+    // "nan" and those values become null.
     auto gparams = [&](const Timing &x) { return r(n / x.median_ms / 1e6, 3); };
     auto gbps = [&](const Timing &x) { return r(adam_bytes / x.median_ms / 1e6, 3); };
-    std::printf(
+    char line[4096];
+    std::snprintf(line, sizeof line,
         "{\"bench\":\"adamw\",\"status\":\"%s\",\"label\":\"%s\",\"params\":%lld,\"tensors\":%lld,"
         "\"threads\":%d,\"reps\":%d,"
         "\"ours_ms\":%.3f,\"ours_min_ms\":%.3f,\"ours_gparams_per_s\":%.3f,\"ours_gbps\":%.3f,"
@@ -303,6 +306,11 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         gbps(t.fused) / copy_gbps, t.bf16.median_ms, gparams(t.bf16),
         t.fused.median_ms / t.bf16.median_ms, t.step.median_ms, t.publish.median_ms,
         t.step.median_ms / t.publish.median_ms, max_diff);
+    std::string text = line;
+    for (const char *token : {":-nan", ":nan", ":-inf", ":inf"}) // values only, not the label
+        for (size_t at = text.find(token); at != std::string::npos; at = text.find(token))
+            text.replace(at, std::strlen(token), ":null");
+    std::fputs(text.c_str(), stdout);
 }
 
 } // namespace
