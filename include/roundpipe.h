@@ -1230,13 +1230,16 @@ RP_API rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_dat
  *  - a call that fails before any gradient is final leaves no trace, as without this setting;
  *    one that fails later (a device or callback error in the backward) keeps the updates of the
  *    parameters whose gradients were final by then, logs how many at RP_LOG_WARN, and drops
- *    every other gradient of the call: the model stays usable.
+ *    every other gradient of the call: the model stays usable;
+ *  - with data parallelism each rank updates from the gradients averaged over the ranks, each
+ *    as soon as its average is final, and the ranks decide alike (the non-finite flags are
+ *    averaged with them). A failed collective can leave a rank with updates from a partial
+ *    average; the group then refuses work, as without this setting: reload the weights.
  * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model, called from a step callback);
  *         RP_ERR_STATE, with nothing changed: the model is in RP_HOST_MEMORY_STANDARD (whose
- *         asynchronous steps already overlap a whole call), uses data parallelism or loss
- *         scaling (both need every gradient before the first update), holds optimizer state of
- *         another kind, or holds gradients accumulated since its last step (rp_step or
- *         rp_zero_grad first).
+ *         asynchronous steps already overlap a whole call), uses loss scaling (which needs every
+ *         gradient before the first update), holds optimizer state of another kind, or holds
+ *         gradients accumulated since its last step (rp_step or rp_zero_grad first).
  * Thread: the thread driving this model.
  */
 RP_API rp_status rp_model_set_step_in_call(rp_model *model, const rp_optimizer *optimizer);

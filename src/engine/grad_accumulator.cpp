@@ -40,7 +40,7 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
 void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn,
                                    std::atomic<int64_t> *lent, int64_t lend_limit) {
     std::lock_guard<std::mutex> lock(mutex_);
-    require(!dp_ && buffers_zero_, "in-call steps need zeroed gradients and no data parallelism");
+    require(buffers_zero_, "in-call steps need zeroed gradients");
     auto t = std::make_unique<FinalTracking>();
     t->fn = std::move(fn);
     t->landed.resize(jobs_per_param.size());
@@ -69,6 +69,15 @@ void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
         for (size_t p : *item.job_done) {
             --t.jobs_left[p];
             check(p);
+        }
+    } else if (dp_) {
+        // A reduced bucket: the reducer let it go once every job contributing to it had
+        // finished, on every rank, so each of its gradients is final.
+        for (const auto &g : item.grads) {
+            ++t.delivered[g.first];
+            t.nonfinite[g.first] |= nonfinite ? 1 : 0;
+            t.jobs_left[g.first] = 0;
+            check(g.first);
         }
     } else {
         for (const auto &g : item.grads) {

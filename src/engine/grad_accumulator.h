@@ -58,10 +58,11 @@ class GradAccumulator {
         at::Tensor landed;
     };
     using FinalFn = std::function<void(std::vector<FinalGradient>)>;
-    // Caller thread, after begin_call with zero buffers and before the call's jobs start (not
-    // with data parallelism): calls `fn` on this accumulator's thread with each parameter's
-    // gradient once every job of `jobs_per_param` that delivers it has been added. A handed
-    // gradient is the listener's: a failing call no longer zeroes it. Until end_call.
+    // Caller thread, after begin_call with zero buffers and before the call's jobs start:
+    // calls `fn` on this accumulator's thread with each parameter's gradient once every job of
+    // `jobs_per_param` that delivers it has been added (data parallel: once its bucket's
+    // average has been). A handed gradient is the listener's: a failing call no longer zeroes
+    // it. Until end_call.
     // A gradient one job delivers whole (every parameter but a tied one) is not copied at all:
     // the download is lent as FinalGradient::landed, which spares the host a read and a write of
     // every gradient byte, and the end of the call the copy of the first stage's. While `*lent`

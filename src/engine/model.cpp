@@ -375,7 +375,9 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
         try {
             dp_->finish_device_collectives(/*report_failure=*/true);
         } catch (...) {
-            if (buffers_were_zero) // the averages that arrived may be garbage: no trace
+            // The averages that arrived may be garbage: no trace. In-call steps have taken them
+            // already (the group now refuses work; the docs say to reload the weights).
+            if (buffers_were_zero && !in_call.feed)
                 store_.zero_grads();
             throw;
         }
@@ -561,9 +563,6 @@ void Model::check_step_in_call() const {
         fail(ErrorKind::State,
              "in-call steps need RP_HOST_MEMORY_SAVING: in the standard mode an asynchronous "
              "rp_step already runs behind the whole next call");
-    if (dp_)
-        fail(ErrorKind::State, "in-call steps do not combine with data parallelism: the "
-                               "gradients are averaged over the ranks before any update");
     if (scaler_.enabled())
         fail(ErrorKind::State, "in-call steps do not combine with loss scaling, whose rule "
                                "needs every gradient before a step's first update; switch it "

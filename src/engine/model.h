@@ -204,8 +204,8 @@ class Model {
     // Master weights to update and, in saving mode, the bf16 weight copies the update refreshes
     // in the same pass (undefined where there is none: frozen parameters, fp32 models).
     void builtin_targets(std::vector<at::Tensor> &params, std::vector<at::Tensor> &lives) const;
-    // Throws State unless an in-call step can run now: saving mode, no data parallelism, no
-    // loss scaling, no gradients waiting for a step.
+    // Throws State unless an in-call step can run now: saving mode, no loss scaling, no
+    // gradients waiting for a step.
     void check_step_in_call() const;
     // Throws State while in-call steps are on (explicit steps would race them).
     void check_explicit_step() const;

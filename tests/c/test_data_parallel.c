@@ -90,8 +90,8 @@ static int free_port(void) {
     return port;
 }
 
-static rp_model *dp_model(int rank, int port, const int32_t *plan, size_t plan_len,
-                          int64_t timeout_ms, int32_t dtype) {
+static rp_model *dp_model_in(int rank, int port, const int32_t *plan, size_t plan_len,
+                             int64_t timeout_ms, int32_t dtype, int32_t host_memory) {
     char rendezvous[64];
     snprintf(rendezvous, sizeof rendezvous, "tcp://127.0.0.1:%d", port);
     rp_model_options *opts = NULL;
@@ -100,12 +100,18 @@ static rp_model *dp_model(int rank, int port, const int32_t *plan, size_t plan_l
     TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
     TS_OK(rp_model_options_set_stage_plan(opts, plan, plan_len));
     TS_OK(rp_model_options_set_model_dtype(opts, dtype));
+    TS_OK(rp_model_options_set_host_memory_mode(opts, host_memory));
     TS_OK(rp_model_options_set_data_parallel(opts, rank, 2, rendezvous, timeout_ms));
     TS_OK(rp_model_options_set_global_loss(opts, 1));
     rp_model *model = NULL;
     TS_OK(rp_model_create(&model, SPEC, opts));
     rp_model_options_destroy(opts);
     return model;
+}
+
+static rp_model *dp_model(int rank, int port, const int32_t *plan, size_t plan_len,
+                          int64_t timeout_ms, int32_t dtype) {
+    return dp_model_in(rank, port, plan, plan_len, timeout_ms, dtype, RP_HOST_MEMORY_STANDARD);
 }
 
 /* One training call on rows [r0, r0 + rows), 2 rows per microbatch, loss = batch mean. */
@@ -139,6 +145,21 @@ static void train(rp_model *model, int r0, int rows, double *losses) {
         TS_OK(fb_rows(&losses[s], model, r0, rows, loss));
         TS_OK(rp_step(model, opt, s >= SYNC_STEPS));
     }
+    TS_OK(rp_synchronize(model));
+    rp_optimizer_destroy(opt);
+    rp_loss_destroy(loss);
+}
+
+/* STEPS training calls that step inside (rp_model_set_step_in_call), AdamW as in train(). */
+static void train_in_call(rp_model *model, int r0, int rows, double *losses) {
+    rp_loss *loss = mean_mse(rows / 2);
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, 3e-5));
+    TS_OK(rp_optimizer_set_weight_decay(opt, 0.01));
+    TS_OK(rp_model_set_step_in_call(model, opt));
+    for (int s = 0; s < STEPS; ++s)
+        TS_OK(fb_rows(&losses[s], model, r0, rows, loss));
     TS_OK(rp_synchronize(model));
     rp_optimizer_destroy(opt);
     rp_loss_destroy(loss);
@@ -182,6 +203,22 @@ static int worker(const char *mode, int rank, int port, const char *out) {
             return 4;
         double losses[STEPS];
         train(model, rank * ROWS / 2, ROWS / 2, losses);
+        ts_params *w = ts_masters(model);
+        write_results(out, losses, w);
+        ts_params_free(w);
+        rp_model_destroy(model);
+        return 0;
+    }
+    if (strcmp(mode, "in_call") == 0) {
+        const int on_gpus = ts_device_kind() == RP_DEVICE_CUDA;
+        rp_model *model =
+            rank == 0 || on_gpus
+                ? dp_model_in(rank, port, PLAN_RANK0, 2, 60000, RP_DTYPE_DEFAULT,
+                              RP_HOST_MEMORY_SAVING)
+                : dp_model_in(1, port, PLAN_RANK1, 3, 60000, RP_DTYPE_DEFAULT,
+                              RP_HOST_MEMORY_SAVING);
+        double losses[STEPS];
+        train_in_call(model, rank * ROWS / 2, ROWS / 2, losses);
         ts_params *w = ts_masters(model);
         write_results(out, losses, w);
         ts_params_free(w);
@@ -376,6 +413,55 @@ static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(
     two_ranks_free(&run);
 }
 
+/* Steps inside the calls (memory-saving mode, fp32): each rank updates every parameter from its
+ * average as soon as that is final, so the ranks must end exactly where the explicit steps of
+ * the test above take them: like one process on the whole batch with in-call steps, to the same
+ * 1e-5 (the averages differ from the whole batch's gradients in fp32 rounding; the bf16 moments'
+ * stochastic rounding uses the same random bits on both sides, so a differing decision needs a
+ * moment within that rounding of its threshold, rare, and moves one element by one bf16 ulp of
+ * an lr-sized update), and bit-identical to each other. Rank 1 runs a different stage plan. */
+static void two_ranks_stepping_inside_their_calls_train_like_one_process(void **state) {
+    (void)state;
+    two_ranks run = run_two_ranks("in_call", 240);
+    assert_int_equal(run.status[0], 0);
+    assert_int_equal(run.status[1], 0);
+    rp_model_options *opts = NULL;
+    TS_OK(rp_model_options_create(&opts));
+    TS_OK(rp_model_options_set_seed(opts, 5));
+    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
+    TS_OK(rp_model_options_set_stage_plan(opts, PLAN_SINGLE, 2));
+    TS_OK(rp_model_options_set_host_memory_mode(opts, RP_HOST_MEMORY_SAVING));
+    rp_model *single = NULL;
+    TS_OK(rp_model_create(&single, SPEC, opts));
+    rp_model_options_destroy(opts);
+    ts_params *init = ts_masters(single);
+    double want[STEPS];
+    train_in_call(single, 0, ROWS, want);
+    ts_params *w_single = ts_masters(single);
+    ts_params *w0 = ts_masters(single), *w1 = ts_masters(single); /* shapes; overwritten */
+    double got0[STEPS], got1[STEPS];
+    read_results(run.out[0], got0, w0);
+    read_results(run.out[1], got1, w1);
+    for (int s = 0; s < STEPS; ++s)
+        if (!(fabs(got0[s] - want[s]) <= 1e-5 * fabs(want[s])) || got1[s] != got0[s]) {
+            print_error("in-call step %d: global losses %.10g (rank 0) and %.10g (rank 1), one "
+                        "process %.10g\n", s, got0[s], got1[s], want[s]);
+            fail();
+        }
+    assert_true(want[STEPS - 1] < 0.5 * want[0]); /* it trains */
+    ts_assert_params_equal(w0, w1);
+    ts_assert_params_close(w0, w_single, 1e-5, "rank 0 weights (in-call steps) vs one process");
+    /* ... and the comparison can fail: the steps moved every weight tensor 10x farther. */
+    for (size_t i = 0; i < init->count; ++i) /* measured: 1e-3 to 2e-2 */
+        assert_true(ts_rel_err(w_single->data[i], init->data[i], init->numel[i], 1e-6) > 1e-4);
+    ts_params_free(init);
+    ts_params_free(w_single);
+    ts_params_free(w0);
+    ts_params_free(w1);
+    rp_model_destroy(single);
+    two_ranks_free(&run);
+}
+
 /* The single-process side of the bf16 comparison: seed 5 (rank 0's weights), bf16 compute. */
 static rp_model *bf16_single(void) {
     rp_model_options *opts = NULL;
@@ -543,6 +629,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(bad_data_parallel_options_are_refused),
         cmocka_unit_test(two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch),
         cmocka_unit_test(bf16_two_ranks_update_the_weights_like_one_process_within_bf16_rounding),
+        cmocka_unit_test(two_ranks_stepping_inside_their_calls_train_like_one_process),
         cmocka_unit_test(nonfinite_gradients_on_one_rank_make_every_rank_skip_the_step),
         cmocka_unit_test(a_rank_dying_mid_call_fails_the_other_ranks_call_within_the_timeout),
     };

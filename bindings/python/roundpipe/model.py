@@ -763,9 +763,10 @@ class RoundPipe(WeightsMixin):
 
         Raises TypeError, with nothing changed, when `optimizer` is neither None nor a built-in
         optimizer; RoundPipeError (``Status.STATE``), with nothing changed, for a model in the
-        standard host memory mode, with data parallelism or the engine's loss scaler, holding
-        optimizer state of another kind, or holding gradients accumulated since its last step
-        (:meth:`step` or :meth:`zero_grad` first)."""
+        standard host memory mode, with the engine's loss scaler, holding optimizer state of
+        another kind, or holding gradients accumulated since its last step (:meth:`step` or
+        :meth:`zero_grad` first). With data parallelism each rank updates from the gradients
+        averaged over the ranks."""
         if optimizer is not None and not isinstance(optimizer, BuiltinOptimizer):
             raise TypeError("set_step_in_call takes a roundpipe.optim built-in optimizer "
                             "(AdamW, SGD) or None, not %s" % type(optimizer).__name__)

@@ -116,9 +116,9 @@ optimizer thread as soon as its gradient is final, so the step hides behind the 
 settings are copied (pass the optimizer again after changing it); `nothing` switches back to
 explicit steps. While on, one call is one step (no accumulation over calls), `step!` throws
 (`RP_ERR_STATE`), and a parameter without a gradient, or with inf or nan in it, is left alone.
-Throws `RoundPipeError` (`RP_ERR_STATE`, nothing changed) for a standard-mode model, with data
-parallelism or loss scaling, optimizer state of another kind, or gradients held since the last
-step (`step!` or `zero_grad!` first).
+Throws `RoundPipeError` (`RP_ERR_STATE`, nothing changed) for a standard-mode model, with loss
+scaling, optimizer state of another kind, or gradients held since the last step (`step!` or
+`zero_grad!` first). With data parallelism each rank updates from the averaged gradients.
 """
 function set_step_in_call!(m::Model, opt::Union{Optimizer,Nothing})
     mp = _ptr(m)

@@ -625,9 +625,10 @@ impl Model {
     /// drops the other gradients.
     ///
     /// Fails with `Status::State`, nothing changed, for a model in
-    /// [`HostMemoryMode::Standard`](crate::HostMemoryMode::Standard), with data parallelism or
-    /// loss scaling, holding optimizer state of another kind, or holding gradients accumulated
-    /// since its last step ([`step`](Self::step) or [`zero_grad`](Self::zero_grad) first).
+    /// [`HostMemoryMode::Standard`](crate::HostMemoryMode::Standard), with loss scaling,
+    /// holding optimizer state of another kind, or holding gradients accumulated since its last
+    /// step ([`step`](Self::step) or [`zero_grad`](Self::zero_grad) first). With data
+    /// parallelism each rank updates from the averaged gradients.
     pub fn set_step_in_call(&mut self, optimizer: Option<&Optimizer>) -> Result<()> {
         let opt = optimizer.map_or(std::ptr::null(), |o| o.as_ptr());
         check(unsafe { sys::rp_model_set_step_in_call(self.ptr.as_ptr(), opt) })
