@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Data parallelism on one host (issue 19's measurement): builds train_bench like run_scaling.sh,
+# runs it as one process on one device, then as $DP_RANKS ranks (default 2) of one process each,
+# rank r on GPU r (CUDA_VISIBLE_DEVICES) with torchrun's environment (RANK, WORLD_SIZE,
+# MASTER_ADDR, MASTER_PORT), every run with the same flags: shape $DP_SHAPE (default qwen3-1.7b),
+# 8 x 4096 tokens per process, bf16, plus $DP_ARGS (e.g. "--host-memory saving --step-in-call on").
+# One JSON line per run in $OUT/data_parallel.jsonl, then tokens/s per rank against the single
+# process (the issue's ratio; its target is 0.9 or more).
+#
+#   OUT=/tmp/out DP_ARGS="--host-memory saving --step-in-call on" bash bench/run_data_parallel.sh
+#
+# DP_DEVICES=cpu runs the same on CPU worker devices (a smoke run of this script: DP_SHAPE=tiny).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/rp-data-parallel}
+build=${DP_BUILD:-$root/build-gpu}
+ranks=${DP_RANKS:-2}
+devices=${DP_DEVICES:-cuda}
+mkdir -p "$out"
+if [ -z "${DP_BUILD:-}" ]; then
+  prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+  if [ -d "$root/.gpu-deps" ]; then
+    prefix="$prefix;$root/.gpu-deps"
+    export CMAKE_INCLUDE_PATH=$root/.gpu-deps/include CMAKE_LIBRARY_PATH=$root/.gpu-deps/lib
+    export LD_LIBRARY_PATH=$root/.gpu-deps/lib:${LD_LIBRARY_PATH:-}
+  fi
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/configure.log" 2>&1 &&
+    cmake --build "$build" -j"$(nproc)" --target train_bench > "$out/build.log" 2>&1 ||
+    { tail -20 "$out/build.log"; echo "SUMMARY: build failed"; exit 1; }
+fi
+bench=("$build/bench/train_bench" --shape "${DP_SHAPE:-qwen3-1.7b}" --batch 8 --seq 4096
+  --microbatches 4 --grain stage --dtype bf16 --devices "$devices" --num-devices 1
+  --warmup 3 --steps 6 --fb-only-steps 1 --opt-steps 1 --baseline off)
+[ "$devices" = cpu ] && bench+=(--batch 4 --seq 64)
+# shellcheck disable=SC2206
+extra=(${DP_ARGS:-})
+: > "$out/data_parallel.jsonl"
+echo "[data_parallel] one process"
+timeout 600 "${bench[@]}" "${extra[@]}" --label "single" 2> "$out/single.log" |
+  tail -1 >> "$out/data_parallel.jsonl"
+port=$((29500 + RANDOM % 1000))
+echo "[data_parallel] $ranks ranks"
+pids=()
+for ((r = 0; r < ranks; r++)); do
+  CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 \
+    MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" --data-parallel env \
+    --label "rank $r of $ranks" 2> "$out/rank$r.log" > "$out/rank$r.out" &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for ((r = 0; r < ranks; r++)); do tail -1 "$out/rank$r.out" >> "$out/data_parallel.jsonl"; done
+python3 - "$out/data_parallel.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+single = next((r for r in rows if r.get("label") == "single"), None)
+base = single.get("tokens_per_s") if single else None
+print("run              tokens/s  ratio  iteration  fb alone  step alone  hidden  status")
+for r in rows:
+    t = r.get("tokens_per_s")
+    print("%-15s %9s  %5s  %9s  %8s  %10s  %6s  %s" % (
+        r.get("label"), t, "%.3f" % (t / base) if t and base else "-", r.get("iter_ms"),
+        r.get("fb_only_ms"), r.get("opt_step_ms"), r.get("opt_hidden_fraction"), r.get("status")))
+PY
