@@ -6,7 +6,8 @@
 #
 # compute-sanitizer is looked for in $COMPUTE_SANITIZER, on PATH, in $CUDA_HOME/bin and
 # /usr/local/cuda/bin, in .compute-sanitizer/ (NVIDIA's nvidia-cuda-sanitizer-api wheel for torch's
-# CUDA major version, unzipped there; an ignored folder a device call can carry), and in the
+# CUDA major version, unzipped there, or the wheel itself, which is unpacked and then preferred;
+# an ignored folder a device call can carry), and in the
 # wheel's place in python3's site-packages. RP_GPU_SANITIZE=0 skips that step;
 # RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
 # 1800) bounds each tool's run; RP_GPU_SANITIZE_TOOLS (default "memcheck racecheck") picks the
@@ -90,6 +91,22 @@ find_compute_sanitizer() {
   done
   return 1
 }
+# A sanitizer wheel carried in .compute-sanitizer/ (scripts/gpu-deps.sh fetches one: a newer
+# compute-sanitizer than the machine's) is unpacked there and, being a deliberate choice, used
+# unless COMPUTE_SANITIZER names another.
+unpack_sanitizer_wheel() {
+  local dir=$root/.compute-sanitizer w bin
+  for w in "$dir"/nvidia_cuda_sanitizer_api-*.whl; do
+    [ -f "$w" ] || continue
+    [ -d "$dir/nvidia" ] || python3 -m zipfile -e "$w" "$dir" || return 0
+    chmod -R u+x "$dir"/nvidia/cu*/bin "$dir"/nvidia/cu*/compute-sanitizer 2>/dev/null
+    for bin in "$dir"/nvidia/cu*/bin/compute-sanitizer; do
+      [ -x "$bin" ] && export COMPUTE_SANITIZER=${COMPUTE_SANITIZER:-$bin}
+    done
+    return 0
+  done
+}
+[ "${RP_GPU_SANITIZE:-1}" = 0 ] || unpack_sanitizer_wheel
 sanitizer_line="not run"
 if [ "${RP_GPU_SANITIZE:-1}" = 0 ]; then
   sanitizer_line="skipped (RP_GPU_SANITIZE=0)"
