@@ -484,14 +484,10 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
     const bool saving = store_.saving();
     std::vector<bool> finished(store_.size(), false);
     auto param_done = [&](size_t i, bool published) {
-        if (!saving) { // the next call reads `staged` only once the whole step is published
+        if (saving)
+            param_finished(i, published, finished, number);
+        else // the next call reads `staged` only once the whole step is published
             finished[i] = published;
-            return;
-        }
-        if (!published)
-            store_.finish_step(i);
-        finished[i] = true;
-        gate_.open(i, number);
     };
     // Whatever the update does, the weight copy and the gradient buffer are left ready for the
     // next call; the error (if any) is reported by the next waiting call.
@@ -502,17 +498,29 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
     } catch (...) {
         error = std::current_exception();
     }
+    finish_unfinished(finished, number);
+    if (error)
+        std::rethrow_exception(error);
+}
+
+void Model::param_finished(size_t i, bool published, std::vector<bool> &finished,
+                           int64_t number) {
+    if (!published)
+        store_.finish_step(i);
+    finished[i] = true;
+    gate_.open(i, number);
+}
+
+void Model::finish_unfinished(const std::vector<bool> &finished, int64_t number) {
     for (size_t i = 0; i < store_.size(); ++i)
         if (!finished[i]) {
-            if (saving)
+            if (store_.saving())
                 store_.finish_step(i);
             else
                 store_.finish_standard_step(i);
         }
-    if (saving)
+    if (store_.saving())
         gate_.open_all(number);
-    if (error)
-        std::rethrow_exception(error);
 }
 
 std::vector<at::Tensor> Model::step_grads() const {
@@ -609,10 +617,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
     std::vector<at::Tensor> grads = step_grads(); // lent downloads stand in while updated
     std::vector<bool> finished(store_.size(), false);
     auto param_done = [&](size_t i, bool published) {
-        if (!published)
-            store_.finish_step(i);
-        finished[i] = true;
-        gate_.open(i, number);
+        param_finished(i, published, finished, number);
     };
     size_t updated = 0, nonfinite = 0;
     std::exception_ptr error;
@@ -652,12 +657,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
         }
         give_back();
     }
-    // Whatever happened, the weight copies and the gradient buffers are left ready for the next
-    // call, and every parameter opens to it.
-    for (size_t i = 0; i < store_.size(); ++i)
-        if (!finished[i])
-            store_.finish_step(i);
-    gate_.open_all(number);
+    finish_unfinished(finished, number);
     if (nonfinite > 0 && skip_nonfinite_steps_) {
         ++nonfinite_skips_;
         log(LogLevel::Warn, name_ + ": in-call step " + std::to_string(number) + ": " +

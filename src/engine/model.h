@@ -214,6 +214,13 @@ class Model {
     std::shared_ptr<FinalFeed> start_in_call_step(const CallContext &ctx);
     void run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed, int64_t number);
     void run_step(const StepUpdate &update, const GradFlags::Snapshot &grads, int64_t number);
+    // Memory-saving mode, optimizer thread: step `number` is done with parameter i (`published`:
+    // the update refreshed its weight copy and zeroed its gradient); it opens to the next call.
+    void param_finished(size_t i, bool published, std::vector<bool> &finished, int64_t number);
+    // Optimizer thread, at the end of step `number`, whatever happened: every parameter it did
+    // not finish gets its weight copy refreshed and its gradient zeroed, and (saving mode) every
+    // parameter opens to the next call. Explicit and in-call steps alike.
+    void finish_unfinished(const std::vector<bool> &finished, int64_t number);
     bool step_may_proceed(const GradFlags::Snapshot &grads, int64_t number);
     void gate_call(CallContext &ctx) const;
     void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,

@@ -413,6 +413,21 @@ static void two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch(
     two_ranks_free(&run);
 }
 
+/* The single-process side of a comparison: seed 5 (rank 0's weights), the whole batch. */
+static rp_model *single_model(int32_t dtype, int32_t host_memory) {
+    rp_model_options *opts = NULL;
+    TS_OK(rp_model_options_create(&opts));
+    TS_OK(rp_model_options_set_seed(opts, 5));
+    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
+    TS_OK(rp_model_options_set_stage_plan(opts, PLAN_SINGLE, 2));
+    TS_OK(rp_model_options_set_model_dtype(opts, dtype));
+    TS_OK(rp_model_options_set_host_memory_mode(opts, host_memory));
+    rp_model *model = NULL;
+    TS_OK(rp_model_create(&model, SPEC, opts));
+    rp_model_options_destroy(opts);
+    return model;
+}
+
 /* Steps inside the calls (memory-saving mode, fp32): each rank updates every parameter from its
  * average as soon as that is final, so the ranks must end exactly where the explicit steps of
  * the test above take them: like one process on the whole batch with in-call steps, to the same
@@ -425,15 +440,7 @@ static void two_ranks_stepping_inside_their_calls_train_like_one_process(void **
     two_ranks run = run_two_ranks("in_call", 240);
     assert_int_equal(run.status[0], 0);
     assert_int_equal(run.status[1], 0);
-    rp_model_options *opts = NULL;
-    TS_OK(rp_model_options_create(&opts));
-    TS_OK(rp_model_options_set_seed(opts, 5));
-    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
-    TS_OK(rp_model_options_set_stage_plan(opts, PLAN_SINGLE, 2));
-    TS_OK(rp_model_options_set_host_memory_mode(opts, RP_HOST_MEMORY_SAVING));
-    rp_model *single = NULL;
-    TS_OK(rp_model_create(&single, SPEC, opts));
-    rp_model_options_destroy(opts);
+    rp_model *single = single_model(RP_DTYPE_DEFAULT, RP_HOST_MEMORY_SAVING);
     ts_params *init = ts_masters(single);
     double want[STEPS];
     train_in_call(single, 0, ROWS, want);
@@ -462,20 +469,6 @@ static void two_ranks_stepping_inside_their_calls_train_like_one_process(void **
     two_ranks_free(&run);
 }
 
-/* The single-process side of the bf16 comparison: seed 5 (rank 0's weights), bf16 compute. */
-static rp_model *bf16_single(void) {
-    rp_model_options *opts = NULL;
-    TS_OK(rp_model_options_create(&opts));
-    TS_OK(rp_model_options_set_seed(opts, 5));
-    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
-    TS_OK(rp_model_options_set_stage_plan(opts, PLAN_SINGLE, 2));
-    TS_OK(rp_model_options_set_model_dtype(opts, RP_DTYPE_BF16));
-    rp_model *model = NULL;
-    TS_OK(rp_model_create(&model, SPEC, opts));
-    rp_model_options_destroy(opts);
-    return model;
-}
-
 /* Norm-based relative error of the weight updates (w - w_init) of a against b. */
 static double update_error(const ts_params *a, const ts_params *b, const ts_params *init) {
     double num = 0, den = 0;
@@ -502,7 +495,8 @@ static void bf16_two_ranks_update_the_weights_like_one_process_within_bf16_round
     two_ranks run = run_two_ranks("train_bf16", 240);
     assert_int_equal(run.status[0], 0);
     assert_int_equal(run.status[1], 0);
-    rp_model *single = bf16_single(), *half = bf16_single();
+    rp_model *single = single_model(RP_DTYPE_BF16, RP_HOST_MEMORY_STANDARD);
+    rp_model *half = single_model(RP_DTYPE_BF16, RP_HOST_MEMORY_STANDARD);
     ts_params *init = ts_masters(single);
     double want[STEPS], half_losses[STEPS];
     train(single, 0, ROWS, want);

@@ -4,46 +4,15 @@
 //! `rp_host_memory_mode` comment; tensor bytes, so exact multiples of the element count):
 //! standard 24 for bf16 models, 28 for f32 ones; saving 12 for both.
 
-use roundpipe::{
-    DType, DeviceKind, FloatType, HostMemoryMode, Loss, LossKind, Model, ModelOptions, Optimizer,
-    Tensor,
-};
+use roundpipe::{DType, FloatType, HostMemoryMode, Loss, LossKind, Model, Optimizer};
 
-const SPEC: &str = r#"{"layers":[{"type":"linear","in":8,"out":16},{"type":"gelu"},
-                                 {"type":"linear","in":16,"out":1}]}"#;
+mod common;
+use common::{batch, mlp as model};
+
 const ELEMENTS: i64 = 8 * 16 + 16 + 16 + 1;
-const ROWS: usize = 24;
-
-fn model(mode: HostMemoryMode, dtype: FloatType) -> Model {
-    let mut options = ModelOptions::new().unwrap();
-    options
-        .set_seed(3)
-        .unwrap()
-        .set_devices(DeviceKind::Cpu, 2)
-        .unwrap()
-        .set_model_dtype(dtype)
-        .unwrap()
-        .set_host_memory_mode(mode)
-        .unwrap();
-    Model::new(SPEC, Some(&options)).unwrap()
-}
-
-fn data() -> (Tensor, Tensor) {
-    // A fixed smooth target of the inputs, no random numbers needed.
-    let x: Vec<f32> = (0..ROWS * 8)
-        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-        .collect();
-    let y: Vec<f32> = (0..ROWS)
-        .map(|r| (x[r * 8] - 0.5 * x[r * 8 + 3] + 0.25 * x[r * 8 + 7]).tanh())
-        .collect();
-    (
-        Tensor::new(&x, &[ROWS as i64, 8]).unwrap(),
-        Tensor::new(&y, &[ROWS as i64, 1]).unwrap(),
-    )
-}
 
 fn train(model: &mut Model, steps: usize) -> Vec<f64> {
-    let (x, y) = data();
+    let (x, y) = batch(0);
     let loss = Loss::new(LossKind::Mse)
         .unwrap()
         .with_scale(1.0 / 3.0)
@@ -100,7 +69,7 @@ fn step_closures_see_bf16_gradients_in_saving_mode() {
         (HostMemoryMode::Saving, DType::BF16),
     ] {
         let mut m = model(mode, FloatType::BF16);
-        let (x, y) = data();
+        let (x, y) = batch(0);
         let loss = Loss::new(LossKind::Mse).unwrap();
         m.forward_backward(&[&x], Some(&y), Some(&loss), None)
             .unwrap();

@@ -4,43 +4,19 @@
 //! explicit steps are refused while it is on and come back with `None`; a standard-mode model
 //! refuses it.
 
-use roundpipe::{
-    DeviceKind, HostMemoryMode, Loss, LossKind, Model, ModelOptions, Optimizer, Status, Tensor,
-};
+use roundpipe::{FloatType, HostMemoryMode, Loss, LossKind, Model, Optimizer, Status};
 
-const SPEC: &str = r#"{"layers":[{"type":"linear","in":8,"out":16},{"type":"gelu"},
-                                 {"type":"linear","in":16,"out":1}]}"#;
-const ROWS: usize = 24;
+mod common;
+use common::batch;
+
 const CALLS: usize = 4;
 
 fn model(mode: HostMemoryMode) -> Model {
-    let mut options = ModelOptions::new().unwrap();
-    options
-        .set_seed(3)
-        .unwrap()
-        .set_devices(DeviceKind::Cpu, 2)
-        .unwrap()
-        .set_host_memory_mode(mode)
-        .unwrap();
-    Model::new(SPEC, Some(&options)).unwrap()
-}
-
-/// The batch of call `call`: inputs and a smooth target of them, no random numbers needed.
-fn data(call: usize) -> (Tensor, Tensor) {
-    let x: Vec<f32> = (0..ROWS * 8)
-        .map(|i| (((i + 13 * call) * 37 % 101) as f32 / 50.0) - 1.0)
-        .collect();
-    let y: Vec<f32> = (0..ROWS)
-        .map(|r| (x[r * 8] - 0.5 * x[r * 8 + 3] + 0.25 * x[r * 8 + 7]).tanh())
-        .collect();
-    (
-        Tensor::new(&x, &[ROWS as i64, 8]).unwrap(),
-        Tensor::new(&y, &[ROWS as i64, 1]).unwrap(),
-    )
+    common::mlp(mode, FloatType::F32)
 }
 
 fn call(m: &mut Model, i: usize) -> f64 {
-    let (x, y) = data(i);
+    let (x, y) = batch(13 * i);
     let loss = Loss::new(LossKind::Mse)
         .unwrap()
         .with_scale(1.0 / 3.0)
