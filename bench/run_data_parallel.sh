@@ -10,6 +10,9 @@
 #   OUT=/tmp/out DP_ARGS="--host-memory saving --step-in-call on" bash bench/run_data_parallel.sh
 #
 # DP_DEVICES=cpu runs the same on CPU worker devices (a smoke run of this script: DP_SHAPE=tiny).
+# DP_TRACE=1 also writes each run's last training call as a Chrome trace (trace_single.json,
+# trace_rank<r>.json) and its bench/trace_summary.py digest (trace_*.summary.json) to $OUT, to
+# see where the ranks lose time against the single process.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/rp-data-parallel}
@@ -35,20 +38,30 @@ bench=("$build/bench/train_bench" --shape "${DP_SHAPE:-qwen3-1.7b}" --batch 8 --
 # shellcheck disable=SC2206
 extra=(${DP_ARGS:-})
 : > "$out/data_parallel.jsonl"
+trace_for() { # run name: trace_args = that run's --trace flag when DP_TRACE=1, else nothing
+  trace_args=()
+  [ "${DP_TRACE:-0}" = 1 ] && trace_args=(--trace "$out/trace_$1.json")
+}
 echo "[data_parallel] one process"
-timeout 600 "${bench[@]}" "${extra[@]}" --label "single" 2> "$out/single.log" |
+trace_for single
+timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --label "single" 2> "$out/single.log" |
   tail -1 >> "$out/data_parallel.jsonl"
 port=$((29500 + RANDOM % 1000))
 echo "[data_parallel] $ranks ranks"
 pids=()
 for ((r = 0; r < ranks; r++)); do
+  trace_for "rank$r"
   CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 \
-    MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" --data-parallel env \
+    MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --data-parallel env \
     --label "rank $r of $ranks" 2> "$out/rank$r.log" > "$out/rank$r.out" &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
 for ((r = 0; r < ranks; r++)); do tail -1 "$out/rank$r.out" >> "$out/data_parallel.jsonl"; done
+for t in "$out"/trace_*.json; do
+  [ -f "$t" ] && [[ $t != *.summary.json ]] &&
+    python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
+done
 python3 - "$out/data_parallel.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
