@@ -8,6 +8,11 @@
 //   step        the standard mode's step for a bf16 model as three passes: rp::adamw_update,
 //               then the bf16 weight copy (a tensor copy of the master) and the gradient zeroed
 //   publish     the same in one pass: rp::adamw_update_publish (the engine's step since round 9)
+//   widened     the host's whole work on a bf16 model's gradient in the standard mode before
+//               round 11: the bf16 download widened into the fp32 gradient buffer (the gradient
+//               thread's copy), then publish
+//   lent        the same with the download lent: publish reading the bf16 gradient where it
+//               landed (no fp32 buffer written, read or zeroed)
 // and prints one JSON line with times, parameters/s, bytes/s and ratios.
 //
 //   adamw_bench --params 2.5e8 --tensors 16 --reps 5
@@ -39,16 +44,16 @@ struct Options {
     int64_t params = 250000000;
     int64_t tensors = 16;
     int reps = 5, warmup = 1, threads = 0;
-    std::vector<std::string> variants = {"ours", "fused", "torch", "bf16", "copy", "step",
-                                         "publish"};
+    std::vector<std::string> variants = {"ours",  "fused",   "torch",   "bf16", "copy",
+                                         "step",  "publish", "widened", "lent"};
     std::string label;
 };
 
 [[noreturn]] void usage(const char *argv0, const std::string &why) {
     std::fprintf(stderr,
                  "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
-                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish (order of the"
-                 " runs)] [--label TEXT]\n",
+                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish,widened,lent (order"
+                 " of the runs)] [--label TEXT]\n",
                  why.c_str(), argv0);
     std::exit(2);
 }
@@ -72,8 +77,9 @@ Options parse(int argc, char **argv) {
                 std::stringstream ss(v);
                 std::string item;
                 while (std::getline(ss, item, ',')) {
-                    if (item != "ours" && item != "fused" && item != "torch" && item != "copy" &&
-                        item != "bf16" && item != "step" && item != "publish")
+                    const Options defaults;
+                    if (std::find(defaults.variants.begin(), defaults.variants.end(), item) ==
+                        defaults.variants.end())
                         usage(argv[0], "unknown variant '" + item + "'");
                     o.variants.push_back(item);
                 }
@@ -249,8 +255,10 @@ Timing time_standard_step(const Options &o, Arrays &a, bool fused) {
             float *p = a.P[i].data_ptr<float>(), *g = a.G[i].data_ptr<float>();
             float *m = a.M[i].data_ptr<float>(), *v = a.V[i].data_ptr<float>();
             const rp::AdamWHyper h{kLr, kBeta1, kBeta2, kEps, kWd};
+            rp::GradSpan grad;
+            grad.f32 = g;
             if (fused) {
-                rp::adamw_update_publish(p, g, m, v, a.P[i].numel(), h, step,
+                rp::adamw_update_publish(p, grad, m, v, a.P[i].numel(), h, step,
                                          reinterpret_cast<uint16_t *>(
                                              staged[i].data_ptr<at::BFloat16>()));
             } else {
@@ -262,9 +270,39 @@ Timing time_standard_step(const Options &o, Arrays &a, bool fused) {
     });
 }
 
+// A bf16 model's gradient from its download to the end of the standard step: widened into the
+// fp32 buffer and then read and zeroed by the step, or lent (the step reads the bf16 download).
+Timing time_gradient_path(const Options &o, Arrays &a, bool lent) {
+    std::vector<at::Tensor> staged, downloads;
+    for (const at::Tensor &p : a.P) {
+        staged.push_back(at::zeros_like(p, at::kBFloat16));
+        downloads.push_back(at::randn_like(p).to(at::kBFloat16));
+    }
+    int64_t step = 0;
+    const char *name = lent ? "lent (publish reading the bf16 download)"
+                            : "widened (download widened into the fp32 gradient, then publish)";
+    return time_it(name, o.warmup, o.reps, [&] {
+        ++step;
+        for (size_t i = 0; i < a.P.size(); ++i) {
+            const rp::AdamWHyper h{kLr, kBeta1, kBeta2, kEps, kWd};
+            rp::GradSpan g;
+            if (lent) {
+                g.bf16 = reinterpret_cast<uint16_t *>(downloads[i].data_ptr<at::BFloat16>());
+            } else {
+                a.G[i].copy_(downloads[i]);
+                g.f32 = a.G[i].data_ptr<float>();
+            }
+            rp::adamw_update_publish(a.P[i].data_ptr<float>(), g, a.M[i].data_ptr<float>(),
+                                     a.V[i].data_ptr<float>(), a.P[i].numel(), h, step,
+                                     reinterpret_cast<uint16_t *>(
+                                         staged[i].data_ptr<at::BFloat16>()));
+        }
+    });
+}
+
 struct Timings {
     Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN},
-        step{NAN, NAN}, publish{NAN, NAN};
+        step{NAN, NAN}, publish{NAN, NAN}, widened{NAN, NAN}, lent{NAN, NAN};
 };
 
 void print_report(const Options &o, int threads, const Timings &t, double max_diff) {
@@ -296,6 +334,7 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         "\"bf16_state_ms\":%.3f,\"bf16_state_gparams_per_s\":%.3f,"
         "\"bf16_state_speedup_vs_fused\":%.4f,"
         "\"standard_step_ms\":%.3f,\"publish_ms\":%.3f,\"publish_speedup_vs_step\":%.4f,"
+        "\"widened_ms\":%.3f,\"lent_ms\":%.3f,\"lent_speedup_vs_widened\":%.4f,"
         "\"max_abs_diff_vs_fused\":%.3g}\n",
         max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
         static_cast<long long>(o.tensors), threads, o.reps, t.ours.median_ms, t.ours.min_ms,
@@ -305,7 +344,8 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         t.torch_adamw.median_ms / t.ours.median_ms, gbps(t.ours) / copy_gbps,
         gbps(t.fused) / copy_gbps, t.bf16.median_ms, gparams(t.bf16),
         t.fused.median_ms / t.bf16.median_ms, t.step.median_ms, t.publish.median_ms,
-        t.step.median_ms / t.publish.median_ms, max_diff);
+        t.step.median_ms / t.publish.median_ms, t.widened.median_ms, t.lent.median_ms,
+        t.widened.median_ms / t.lent.median_ms, max_diff);
     std::string text = line;
     for (const char *token : {":-nan", ":nan", ":-inf", ":inf"}) // values only, not the label
         for (size_t at = text.find(token); at != std::string::npos; at = text.find(token))
@@ -340,6 +380,10 @@ int main(int argc, char **argv) {
             t.step = time_standard_step(o, a, false);
         else if (variant == "publish")
             t.publish = time_standard_step(o, a, true);
+        else if (variant == "widened")
+            t.widened = time_gradient_path(o, a, false);
+        else if (variant == "lent")
+            t.lent = time_gradient_path(o, a, true);
     }
     const double max_diff = check_against_fused();
     print_report(o, threads, t, max_diff);

@@ -99,12 +99,8 @@ rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t in
         require(p.trainable(), "parameter \"" + p.name + "\" is " +
                                    (p.role == ParamRole::Buffer ? "a buffer" : "frozen") +
                                    ": it has no gradient");
-        // Inside a step callback the optimizer sees the gradients of its own step. Elsewhere the
-        // view may be written through: the next step counts the parameter as having a gradient.
-        const bool in_step = model->model->on_optimizer_thread();
-        if (!in_step)
-            model->model->gradient_exposed(index);
-        *out_tensor = export_dlpack(in_step ? model->model->params().step_grad(index) : p.grad);
+        // Inside a step callback the optimizer sees the gradients of its own step (Model says).
+        *out_tensor = export_dlpack(model->model->exposed_grad(index));
     });
 }
 

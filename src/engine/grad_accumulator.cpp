@@ -106,6 +106,20 @@ bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tenso
     return final_->lent->load() + bytes <= final_->lend_limit;
 }
 
+bool GradAccumulator::may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
+                                        double factor) {
+    if (final_ || dp_ || standard_lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 ||
+        grad.scalar_type() != at::kBFloat16 || dst.scalar_type() != at::kFloat ||
+        !grad.is_contiguous() || grad.sizes() != dst.sizes() || store_.grad_lent(p))
+        return false;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (touched_.count(p)) // the call's second contribution (a tied weight)
+            return false;
+    }
+    return store_.lent_bytes() + static_cast<int64_t>(grad.nbytes()) <= standard_lend_limit_;
+}
+
 void GradAccumulator::enqueue(Item item) {
     if (!buffers_zero_) {
         held_.push_back(std::move(item));
@@ -178,7 +192,7 @@ void GradAccumulator::end_call(bool succeeded) {
     error_ = nullptr;
     if ((!succeeded || error) && buffers_zero_)
         for (size_t p : touched_)
-            store_.at(p).grad.zero_();
+            store_.zero_grad(p);
     touched_.clear();
     final_.reset();
     if (error && succeeded)
@@ -235,6 +249,13 @@ void GradAccumulator::apply(const Item &item) {
             final_->landed[g.first] = g.second;
             continue;
         }
+        if (may_lend_standard(g.first, g.second, dst, factor)) {
+            store_.lend_grad(g.first, g.second);
+            std::lock_guard<std::mutex> lock(mutex_);
+            touched_.insert(g.first); // a failing call gives it back
+            continue;
+        }
+        store_.materialize_grad(g.first); // lent earlier: widened before this contribution adds
         bool first;
         {
             std::lock_guard<std::mutex> lock(mutex_);

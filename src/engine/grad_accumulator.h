@@ -14,6 +14,11 @@
 // In-call steps (report_final): once every job that delivers a parameter's gradient has had its
 // contribution added, the gradient is final and handed to a listener, which updates the
 // parameter while the call goes on.
+//
+// Standard mode, bf16 models (lend_standard): a parameter's first contribution since its last
+// step, when it is whole and the buffer zero, is lent to the store where its download landed
+// (ParamStore::lend_grad) instead of widened into the fp32 buffer; a later contribution widens
+// it first.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -42,6 +47,9 @@ class GradAccumulator {
 
     // Before any call: average every contribution over `dp`'s ranks (null: none).
     void set_data_parallel(DataParallel *dp) { dp_ = dp; }
+    // Before any call, standard mode: lend bf16 downloads to the store while its lent bytes stay
+    // within `limit` (pinned staging memory; 0: never).
+    void lend_standard(int64_t limit) { standard_lend_limit_ = limit; }
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
     // `jobs_per_param` (data parallel only): per parameter, how many of the call's jobs deliver
@@ -105,6 +113,9 @@ class GradAccumulator {
     };
     // In-call steps: whether `grad`, parameter p's only contribution, can be lent as it landed.
     bool may_lend(size_t p, const at::Tensor &grad, const at::Tensor &dst, double factor) const;
+    // Standard mode: whether `grad`, the call's first contribution to p, can be lent to the store.
+    bool may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
+                           double factor);
     void loop();
     void apply(const Item &item);
     void enqueue(Item item); // under the lock: apply now, or hold until the call succeeds
@@ -125,6 +136,7 @@ class GradAccumulator {
     std::unordered_set<size_t> touched_; // parameters written during this call
     std::exception_ptr error_;
     DataParallel *dp_ = nullptr;
+    int64_t standard_lend_limit_ = 0;
     std::unique_ptr<FinalTracking> final_; // in-call steps: set from report_final to end_call
     GradientReducer reducer_{store_};
     bool reducing_ = false; // a bucket is off the lock, being reduced

@@ -43,6 +43,14 @@ HostMemory host_memory_for(const ModelOptions &o) {
     return o.pin_mode == PinMode::Alloc ? HostMemory::Pinned : HostMemory::Registered;
 }
 
+// Pinned staging memory lent gradients may hold at once: an eighth of what the host has left,
+// at most 8 GiB (Qwen3-8B's first stage's gradients are about 3.5 GB; Qwen3-1.7B's whole
+// gradient in bf16, 3.4 GB).
+int64_t staging_lend_limit() {
+    const int64_t available = available_host_memory().bytes;
+    return std::min<int64_t>(int64_t{8} << 30, available > 0 ? available / 8 : 0);
+}
+
 } // namespace
 
 int visible_cuda_devices() { return at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0; }
@@ -67,6 +75,10 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
         else // waits for the GPUs must notice a collective that a dead rank left hanging
             pipeline_.set_wait_watch([dp = dp_.get()] { dp->watch_device_collectives(); });
     }
+    // Standard mode: a bf16 gradient is read by the step where its download landed (see
+    // ParamStore::lend_grad).
+    if (!store_.saving())
+        gradients_.lend_standard(staging_lend_limit());
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;
         if (gpu_memory_cap_ == 0) {
@@ -521,13 +533,37 @@ void Model::finish_unfinished(const std::vector<bool> &finished, int64_t number)
         }
     if (store_.saving())
         gate_.open_all(number);
+    else
+        store_.release_step_grads();
 }
 
-std::vector<at::Tensor> Model::step_grads() const {
+std::vector<at::Tensor> Model::step_grads() {
     std::vector<at::Tensor> grads;
-    for (size_t i = 0; i < store_.size(); ++i)
+    for (size_t i = 0; i < store_.size(); ++i) {
+        if (!store_.saving())
+            store_.materialize_step_grad(i);
         grads.push_back(store_.step_grad(i));
+    }
     return grads;
+}
+
+std::vector<at::Tensor> Model::step_grads_as_lent() const {
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < store_.size(); ++i) {
+        const Param &p = store_.at(i);
+        grads.push_back(p.step_landed.defined() ? p.step_landed : store_.step_grad(i));
+    }
+    return grads;
+}
+
+at::Tensor Model::exposed_grad(size_t i) {
+    if (on_optimizer_thread()) {
+        store_.materialize_step_grad(i);
+        return store_.step_grad(i);
+    }
+    flags_.mark(i); // the view may be written through: the next step counts it as a gradient
+    store_.materialize_grad(i);
+    return store_.at(i).grad;
 }
 
 BuiltinOptimizer &Model::builtin_optimizer(OptimizerKind kind) {
@@ -561,7 +597,11 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
         [this, opt, settings](const ParamDone &param_done, const std::vector<uint8_t> &has_grad) {
             std::vector<at::Tensor> params, lives;
             builtin_targets(params, lives);
-            opt->step(params, step_grads(), settings, param_done, lives, has_grad);
+            // AdamW reads a lent bf16 gradient where it landed (adamw_update_publish); SGD
+            // reads fp32.
+            opt->step(params,
+                      settings.kind == OptimizerKind::AdamW ? step_grads_as_lent() : step_grads(),
+                      settings, param_done, lives, has_grad);
         },
         async);
 }
@@ -589,10 +629,7 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     check_step_in_call();
     builtin_optimizer(settings->kind);
     in_call_ = *settings;
-    // Pinned staging memory the lent gradients may hold at once: an eighth of what the host
-    // has left, at most 8 GiB (Qwen3-8B's first stage's gradients are about 3.5 GB).
-    const int64_t available = available_host_memory().bytes;
-    lend_limit_ = std::min<int64_t>(int64_t{8} << 30, available > 0 ? available / 8 : 0);
+    lend_limit_ = staging_lend_limit();
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {

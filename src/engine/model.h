@@ -149,8 +149,10 @@ class Model {
     void set_skip_nonfinite_steps(bool skip);
     // Training calls whose loss was inf or nan.
     int64_t nonfinite_losses() const { return nonfinite_losses_; }
-    // The API hands out a writable view of parameter i's gradient: count it as a gradient.
-    void gradient_exposed(size_t i) { flags_.mark(i); }
+    // Parameter i's gradient for the API, in fp32 (a lent one is widened first): inside a step
+    // callback (on the optimizer thread) the gradient of that step; elsewhere the one
+    // accumulated since, a writable view, counted as a gradient.
+    at::Tensor exposed_grad(size_t i);
     // Host bytes of parameter state, built-in optimizer state included; `elements` receives the
     // parameter count.
     int64_t host_state_bytes(int64_t *elements) const;
@@ -197,7 +199,10 @@ class Model {
                                            bool merge,
                                            const std::vector<at::Tensor> &inputs) const;
     void publish_completed_step();
-    std::vector<at::Tensor> step_grads() const;
+    // The gradients the step reads, each in its buffer (lent ones widened into it first).
+    std::vector<at::Tensor> step_grads();
+    // For the built-in AdamW: a lent gradient where it landed (bf16), else the buffer.
+    std::vector<at::Tensor> step_grads_as_lent() const;
     // The built-in optimizer of `kind` (created at first use; refused if the model holds state
     // of another kind).
     BuiltinOptimizer &builtin_optimizer(OptimizerKind kind);
@@ -281,7 +286,8 @@ class Model {
     std::unique_ptr<BuiltinOptimizer> builtin_;
     std::optional<OptimizerSettings> in_call_; // in-call steps' settings; none: explicit steps
     // In-call steps: bytes of downloaded gradients lent to the optimizer thread and not yet given
-    // back, and the most that may be (GradAccumulator::report_final).
+    // back, and the most that may be (GradAccumulator::report_final; the standard mode's lent
+    // gradients are counted by the store).
     std::atomic<int64_t> lent_gradient_bytes_{0};
     int64_t lend_limit_ = 0;
     GradScaler scaler_;

@@ -196,15 +196,65 @@ int64_t ParamStore::find(const std::string &name) const {
     return -1;
 }
 
+namespace {
+
+// Drops a lent gradient, counting its bytes back.
+void release(at::Tensor &lent, std::atomic<int64_t> &lent_bytes) {
+    if (!lent.defined())
+        return;
+    lent_bytes -= static_cast<int64_t>(lent.nbytes());
+    lent = at::Tensor();
+}
+
+} // namespace
+
 void ParamStore::zero_grads() {
-    for (Param &p : params_)
-        if (p.grad.defined())
-            p.grad.zero_();
+    for (size_t i = 0; i < params_.size(); ++i)
+        zero_grad(i);
+}
+
+void ParamStore::zero_grad(size_t i) {
+    Param &p = params_[i];
+    if (p.grad.defined())
+        p.grad.zero_();
+    release(p.landed, lent_bytes_);
 }
 
 void ParamStore::swap_grads() {
-    for (Param &p : params_)
+    for (Param &p : params_) {
         std::swap(p.grad, p.step_grad);
+        std::swap(p.landed, p.step_landed);
+    }
+}
+
+void ParamStore::lend_grad(size_t i, at::Tensor download) {
+    Param &p = params_[i];
+    require(!saving() && !p.landed.defined() && download.scalar_type() == at::kBFloat16 &&
+                download.sizes() == p.grad.sizes() && download.is_contiguous(),
+            "lend_grad: not a whole bf16 gradient of a standard-mode parameter");
+    lent_bytes_ += static_cast<int64_t>(download.nbytes());
+    p.landed = std::move(download);
+}
+
+void ParamStore::materialize_grad(size_t i) {
+    Param &p = params_[i];
+    if (!p.landed.defined())
+        return;
+    p.grad.copy_(p.landed); // widening is exact; the buffer was zero
+    release(p.landed, lent_bytes_);
+}
+
+void ParamStore::materialize_step_grad(size_t i) {
+    Param &p = params_[i];
+    if (!p.step_landed.defined())
+        return;
+    p.step_grad.copy_(p.step_landed);
+    release(p.step_landed, lent_bytes_);
+}
+
+void ParamStore::release_step_grads() {
+    for (Param &p : params_)
+        release(p.step_landed, lent_bytes_);
 }
 
 void ParamStore::finish_standard_step(size_t i) {
@@ -213,6 +263,7 @@ void ParamStore::finish_standard_step(size_t i) {
         p.staged.copy_(p.master);
     if (p.step_grad.defined())
         p.step_grad.zero_();
+    release(p.step_landed, lent_bytes_);
 }
 
 void ParamStore::publish_staged() {

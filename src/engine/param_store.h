@@ -5,13 +5,18 @@
 //             swapped with `live` when the step is published (double buffer: an async step never
 //             writes weights a running pipeline reads);
 //   grad      gradient accumulated by forward_backward since the last step;
-//   step_grad gradient the running step consumes (swapped with `grad` at rp_step).
+//   step_grad gradient the running step consumes (swapped with `grad` at rp_step);
+//   landed, step_landed
+//             standard mode, bf16 models: the gradient since the last step, where its download
+//             landed (bf16), lent instead of widened into `grad` (see lend_grad), and the one the
+//             running step consumes.
 //
 // Memory-saving mode (docs/semantics.md) keeps one buffer of each kind: no `staged` (steps are
 // ordered against calls by a StepGate instead), no `step_grad` (the step consumes `grad` before
 // the next call's gradients for that parameter can arrive), `grad` in bf16 for 16-bit models, and
 // `live` is the master itself for fp32 models.
 #pragma once
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -35,7 +40,7 @@ struct Param {
     ParamRole role = ParamRole::Trainable;
     // Frozen parameters and buffers: `master` is the held value and `live` the same tensor;
     // `staged`, `grad` and `step_grad` stay undefined.
-    at::Tensor master, live, staged, grad, step_grad;
+    at::Tensor master, live, staged, grad, step_grad, landed, step_landed;
     bool trainable() const { return role == ParamRole::Trainable; }
 };
 
@@ -66,7 +71,8 @@ class ParamStore {
     at::ScalarType model_dtype() const { return model_dtype_; }
     bool saving() const { return mode_ == HostMemoryMode::Saving; }
     int64_t find(const std::string &name) const; // -1 when absent
-    // The gradient an optimizer step reads: step_grad, or grad in memory-saving mode.
+    // The gradient an optimizer step reads: step_grad, or grad in memory-saving mode (fp32 or
+    // the model dtype; in the standard mode a lent one is not in it: materialize_step_grad).
     const at::Tensor &step_grad(size_t i) const {
         return saving() ? params_[i].grad : params_[i].step_grad;
     }
@@ -74,9 +80,23 @@ class ParamStore {
     // count.
     int64_t state_bytes(int64_t *elements) const;
 
-    void zero_grads();
+    void zero_grads();          // lent gradients included
+    void zero_grad(size_t i);   // parameter i's, lent included
     // Standard mode only: the double buffers of weights and gradients.
-    void swap_grads();            // grad <-> step_grad; step_grad must be zero
+    void swap_grads();            // grad <-> step_grad (and landed <-> step_landed); step_grad
+                                  // must be zero and nothing lent to the step
+    // Standard mode, bf16 models: parameter i's whole gradient since the last step is
+    // `download` (bf16, the same shape), lent where it landed instead of widened into `grad`,
+    // which must be zero and stays so: the built-in AdamW reads it there (half the bytes, and
+    // no widening pass on the gradient thread). Whoever needs the fp32 gradient first calls
+    // materialize_grad / materialize_step_grad. lent_bytes() counts the lent bytes (pinned
+    // staging memory, bounded by the lender).
+    void lend_grad(size_t i, at::Tensor download);
+    bool grad_lent(size_t i) const { return params_[i].landed.defined(); }
+    void materialize_grad(size_t i);      // grad = the lent gradient, widened; released
+    void materialize_step_grad(size_t i); // the same for the gradient the step consumes
+    void release_step_grads();            // after a step: its lent gradients go back
+    int64_t lent_bytes() const { return lent_bytes_.load(); }
     // Optimizer thread, after a step left parameter i alone (or updated it without refreshing
     // its copy): staged = master, step_grad = 0.
     void finish_standard_step(size_t i);
@@ -94,6 +114,7 @@ class ParamStore {
     at::ScalarType model_dtype_;
     HostMemoryMode mode_;
     std::vector<void *> registered_; // host ranges to unregister at destruction
+    std::atomic<int64_t> lent_bytes_{0}; // landed and step_landed (written by two threads)
 };
 
 } // namespace rp

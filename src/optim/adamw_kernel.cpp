@@ -80,15 +80,20 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
     });
 }
 
-void adamw_update_publish(float *param, float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
-                          const AdamWHyper &h, int64_t step, uint16_t *live_bf16) {
+void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, float *exp_avg_sq,
+                          int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16) {
     const AdamWConstants c = constants(h, step);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        float g[kBf16Block];
         for (int64_t b = begin; b < end; b += kBf16Block) {
             const int64_t len = std::min(kBf16Block, end - b);
-            adamw_block(param + b, grad + b, exp_avg + b, exp_avg_sq + b, len, c);
+            const float *gb = grad.f32 ? grad.f32 + b : g;
+            if (!grad.f32)
+                widen_bf16(grad.bf16 + b, g, len);
+            adamw_block(param + b, gb, exp_avg + b, exp_avg_sq + b, len, c);
             narrow_bf16_nearest(param + b, live_bf16 + b, len);
-            std::memset(grad + b, 0, sizeof(float) * len);
+            if (grad.f32)
+                std::memset(grad.f32 + b, 0, sizeof(float) * len);
         }
     });
 }

@@ -17,10 +17,11 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
 
 // adamw_update, then, in the same pass over memory (a block at a time, while it is in cache),
 // the updated weights rounded to the nearest bf16 into `live_bf16` (bit for bit a tensor copy of
-// the master) and the gradient zeroed: the standard mode's whole step for a bf16 model, whose
-// separate copy and zeroing passes read the master and write the gradient once more.
-void adamw_update_publish(float *param, float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
-                          const AdamWHyper &h, int64_t step, uint16_t *live_bf16);
+// the master) and an fp32 gradient zeroed: the standard mode's whole step for a bf16 model, whose
+// separate copy and zeroing passes read the master and write the gradient once more. A bf16
+// gradient (a download lent where it landed) is widened block by block, exactly, and left alone.
+void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, float *exp_avg_sq,
+                          int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16);
 
 // torch.optim.Adam's update with L2 weight decay (decoupled_weight_decay=False): the moments see
 // grad + weight_decay * param; the gradient itself is left unchanged, as torch leaves p.grad.

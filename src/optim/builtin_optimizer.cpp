@@ -68,7 +68,7 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
         const bool publish = update[i] && !lives.empty() && lives[i].defined();
         if (!update[i]) {
         } else if (publish && !bf16_state_) {
-            adamw_update_publish(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
+            adamw_update_publish(params[i].data_ptr<float>(), grad_span(grads[i]),
                                  first_moment_[i].data_ptr<float>(),
                                  second_moment_[i].data_ptr<float>(), params[i].numel(), h,
                                  steps_[i], bf16_bits(lives[i]));

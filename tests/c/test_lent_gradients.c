@@ -1,0 +1,267 @@
+/*
+ * test_lent_gradients.c - the standard mode's lent gradients (ParamStore::lend_grad): a bf16
+ * model's gradient, whole from one job, stays where its download landed and the built-in AdamW
+ * reads it there, instead of the gradient thread widening it into the fp32 buffer and the step
+ * reading and zeroing that.
+ *
+ * The reference is the same model on the buffer path: reading a gradient through rp_param_grad
+ * widens it into the fp32 buffer first (the API hands out fp32), so a twin model whose gradients
+ * are read before each step takes that path, which test_optimizer.c checks against the
+ * double-precision AdamW formula. Widening bf16 to fp32 is exact, so the two must agree bit for
+ * bit:
+ *  - synchronous and asynchronous steps (the step reading lent gradients while the next call
+ *    lends its own), with a second call before one step (its contributions land on lent
+ *    gradients, which are widened before they add);
+ *  - rp_zero_grad drops lent gradients: the API then reads zeros, and the next call's
+ *    gradients alone are stepped;
+ *  - a call failing after the deeper stages' gradients were lent leaves no trace: zero
+ *    gradients, and the next call steps as on a fresh model (CPU devices: the failing layer
+ *    reads its tensors on the host).
+ */
+#include "test_support.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ROWS = 12, IN = 6, OUT = 3 };
+
+static const char *SPEC =
+    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
+
+/* Four stages (jobs) per call, so the gradients land in parts; `defs`: the caller layers of a
+ * spec with one more layer, in the first stage. */
+static rp_model *bf16_model(const char *spec, const rp_layer_def *const *defs, size_t n_defs) {
+    rp_model_options *o = NULL;
+    TS_OK(rp_model_options_create(&o));
+    TS_OK(rp_model_options_set_seed(o, 23));
+    TS_OK(rp_model_options_set_model_dtype(o, RP_DTYPE_BF16));
+    const int32_t plan[4] = {n_defs ? 3 : 2, 2, 2, 1};
+    TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
+    rp_model *m = NULL;
+    if (n_defs) {
+        TS_OK(rp_model_options_set_devices(o, RP_DEVICE_CPU, 3));
+        TS_OK(rp_model_create_with_layers(&m, spec, defs, n_defs, o));
+    } else {
+        TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(3)));
+        TS_OK(rp_model_create(&m, spec, o));
+    }
+    rp_model_options_destroy(o);
+    return m;
+}
+
+static rp_status train_call(rp_model *m, int k) {
+    float x[ROWS * IN], y[ROWS * OUT];
+    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+    ts_fill_uniform(x, ROWS * IN, 300 + k, -1.f, 1.f);
+    ts_fill_uniform(y, ROWS * OUT, 700 + k, -1.f, 1.f);
+    DLManagedTensor *in = ts_f32(2, xs, x), *lab = ts_f32(2, ys, y);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(2, 0);
+    const DLManagedTensor *inputs[1] = {in};
+    rp_status s = rp_forward_backward(NULL, NULL, m, inputs, 1, lab, loss, cfg);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    ts_free(in);
+    ts_free(lab);
+    return s;
+}
+
+static rp_optimizer *adamw(void) {
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, 1e-2));
+    TS_OK(rp_optimizer_set_weight_decay(opt, 0.1));
+    return opt;
+}
+
+/* Reads every gradient through the API, which widens a lent one into its buffer. */
+static void widen_gradients(rp_model *m) {
+    size_t count = 0;
+    TS_OK(rp_param_count(&count, m));
+    for (size_t i = 0; i < count; ++i) {
+        DLManagedTensor *g = NULL;
+        TS_OK(rp_param_grad(&g, m, i));
+        ts_free(g);
+    }
+}
+
+/* Four steps; before the third, a second call accumulates onto the first. `widen`: read the
+ * gradients before each step (the buffer path). */
+static ts_params *train(int widen, int async) {
+    rp_model *m = bf16_model(SPEC, NULL, 0);
+    rp_optimizer *opt = adamw();
+    for (int t = 0; t < 4; ++t) {
+        TS_OK(train_call(m, t));
+        if (t == 2)
+            TS_OK(train_call(m, 10 + t));
+        if (widen)
+            widen_gradients(m);
+        TS_OK(rp_step(m, opt, async));
+    }
+    ts_params *w = ts_masters(m);
+    rp_optimizer_destroy(opt);
+    rp_model_destroy(m);
+    return w;
+}
+
+static void steps_read_lent_gradients_as_the_buffer_path_does(void **state) {
+    (void)state;
+    rp_model *fresh = bf16_model(SPEC, NULL, 0);
+    ts_params *initial = ts_masters(fresh);
+    rp_model_destroy(fresh);
+    for (int async = 0; async < 2; ++async) {
+        ts_params *lent = train(0, async), *widened = train(1, async);
+        ts_assert_params_equal(lent, widened);
+        /* The steps did something to every parameter. */
+        for (size_t p = 0; p < lent->count; ++p)
+            assert_true(ts_rel_err(lent->data[p], initial->data[p], lent->numel[p], 1e-30) >
+                        1e-3);
+        ts_params_free(lent);
+        ts_params_free(widened);
+    }
+    ts_params_free(initial);
+}
+
+static void assert_gradients_zero(rp_model *m) {
+    ts_params *g = ts_grads(m);
+    for (size_t p = 0; p < g->count; ++p)
+        for (int64_t i = 0; i < g->numel[p]; ++i)
+            if (g->data[p][i] != 0.0f) {
+                print_error("%s[%lld] = %g, want 0\n", g->names[p], (long long)i, g->data[p][i]);
+                fail();
+            }
+    ts_params_free(g);
+}
+
+static void zero_grad_drops_lent_gradients(void **state) {
+    (void)state;
+    rp_model *a = bf16_model(SPEC, NULL, 0), *b = bf16_model(SPEC, NULL, 0);
+    rp_optimizer *opt = adamw();
+    TS_OK(train_call(a, 1));
+    TS_OK(rp_zero_grad(a));
+    assert_gradients_zero(a); /* a lent gradient kept would be widened here */
+    TS_OK(train_call(a, 2));
+    TS_OK(rp_step(a, opt, 0));
+    TS_OK(train_call(b, 2));
+    TS_OK(rp_step(b, opt, 0));
+    ts_params *wa = ts_masters(a), *wb = ts_masters(b);
+    ts_assert_params_equal(wa, wb);
+    ts_params_free(wa);
+    ts_params_free(wb);
+    rp_optimizer_destroy(opt);
+    rp_model_destroy(a);
+    rp_model_destroy(b);
+}
+
+/* ---- a call failing after the deeper stages' gradients were lent ------------------------------ */
+
+/* A parameter-free caller layer in the first stage that passes its input through and, when
+ * *fail is set, fails in the backward of the call's last microbatch: every deeper stage has
+ * delivered its gradients by then (the failing backward needs them). It takes bf16 or fp32 and
+ * returns fp32 (the engine converts it back to the model dtype). */
+static DLManagedTensor *as_f32(const DLTensor *t) {
+    const int64_t n = ts_numel(t);
+    float *values = malloc(sizeof(float) * (size_t)(n ? n : 1));
+    const char *base = (const char *)t->data + t->byte_offset;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t offset = i; /* element i in row-major order, through the strides if any */
+        if (t->strides) {
+            offset = 0;
+            for (int64_t d = t->ndim - 1, rest = i; d >= 0; --d) {
+                offset += (rest % t->shape[d]) * t->strides[d];
+                rest /= t->shape[d];
+            }
+        }
+        if (t->dtype.bits == 16) { /* bf16: the high half of an fp32 */
+            const uint32_t bits = (uint32_t)((const uint16_t *)base)[offset] << 16;
+            memcpy(&values[i], &bits, sizeof bits);
+        } else {
+            values[i] = ((const float *)base)[offset];
+        }
+    }
+    DLManagedTensor *out = ts_f32(t->ndim, t->shape, values);
+    free(values);
+    return out;
+}
+
+static int32_t pass_forward(rp_tensor_list *out, void **inout_context, const rp_layer_call *call,
+                            const DLManagedTensor *const *inputs, size_t n_inputs, void *ud) {
+    (void)call;
+    (void)ud;
+    (void)n_inputs;
+    if (inout_context)
+        *inout_context = NULL;
+    return rp_tensor_list_push(out, as_f32(&inputs[0]->dl_tensor)) == RP_OK ? 0 : 1;
+}
+
+static int32_t pass_backward(rp_tensor_list *in_grads, rp_tensor_list *param_grads, void *ctx,
+                             const rp_layer_call *call, const DLManagedTensor *const *out_grads,
+                             size_t n_outputs, void *ud) {
+    (void)param_grads;
+    (void)ctx;
+    (void)n_outputs;
+    int32_t microbatch = -1;
+    rp_layer_call_info(NULL, NULL, NULL, NULL, NULL, &microbatch, NULL, call);
+    if (*(const int *)ud && microbatch == 1) /* the last of ts_config(2, 0)'s two */
+        return 5;
+    return rp_tensor_list_push(in_grads, as_f32(&out_grads[0]->dl_tensor)) == RP_OK ? 0 : 1;
+}
+
+static const char *TRIPWIRE_SPEC =
+    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"caller\", \"def\": 0},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
+
+static rp_model *tripwire_model(int *fail_flag) {
+    rp_layer_def *def = NULL;
+    TS_OK(rp_layer_def_create(&def, "c:tripwire", pass_forward, pass_backward, NULL, fail_flag));
+    rp_model *m = bf16_model(TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1);
+    rp_layer_def_destroy(def);
+    return m;
+}
+
+static void a_failed_call_gives_back_what_it_lent(void **state) {
+    (void)state;
+    if (ts_device_kind() == RP_DEVICE_CUDA)
+        skip(); /* the layer reads its tensors on the host */
+    int fail_a = 1, fail_b = 0;
+    rp_model *a = tripwire_model(&fail_a), *b = tripwire_model(&fail_b);
+    rp_optimizer *opt = adamw();
+    TS_ERR(train_call(a, 4), RP_ERR_CALLBACK, "tripwire");
+    assert_gradients_zero(a);
+    fail_a = 0;
+    TS_OK(train_call(a, 5));
+    TS_OK(rp_step(a, opt, 0));
+    TS_OK(train_call(b, 5));
+    TS_OK(rp_step(b, opt, 0));
+    ts_params *wa = ts_masters(a), *wb = ts_masters(b);
+    ts_assert_params_equal(wa, wb);
+    ts_params_free(wa);
+    ts_params_free(wb);
+    rp_optimizer_destroy(opt);
+    rp_model_destroy(a);
+    rp_model_destroy(b);
+}
+
+int main(void) {
+    if (ts_device_kind() == RP_DEVICE_CUDA) {
+        int32_t gpus = 0;
+        if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
+            printf("no CUDA device visible: skipping\n");
+            return 77;
+        }
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(steps_read_lent_gradients_as_the_buffer_path_does),
+        cmocka_unit_test(zero_grad_drops_lent_gradients),
+        cmocka_unit_test(a_failed_call_gives_back_what_it_lent),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
