@@ -238,6 +238,10 @@ class Model {
     // The backward stages of a call whose forward runs `forward`.
     std::vector<Stage> backward_plan_for(const std::vector<Stage> &forward) const;
     void replan_from_trace();
+    // Several GPUs: keeps per-layer forward and backward times (-1: not measured) for
+    // plan_for_devices, the tail's forward times filled in from the other layers' ratio.
+    void measure_layer_times(std::vector<double> forward, std::vector<double> backward,
+                             size_t microbatches);
     void rethrow_step_error();
     // The reported loss of a training call: this rank's, or the mean over the ranks if asked.
     double reported_loss(double local);
@@ -262,6 +266,11 @@ class Model {
     int64_t gpu_memory_cap_ = 0;
     double plan_cap_ = 0; // bytes the planner fits a device's stages into; 0: no limit
     std::vector<double> layer_costs_; // estimated, then measured by the second GPU training call
+    // Several GPUs, standard mode: per layer, the compute times the re-planning call measured in
+    // a forward job and in a backward job or the tail, and that call's microbatch count
+    // (plan_for_devices); empty until then.
+    std::vector<double> layer_forward_ms_, layer_backward_ms_;
+    size_t measured_microbatches_ = 0;
     std::vector<LayerFootprint> footprints_;
     using PlanKey = std::tuple<int64_t, int, int>; // tokens per microbatch, grain, use
     std::map<PlanKey, std::vector<Stage>> plans_;

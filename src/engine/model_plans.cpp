@@ -9,6 +9,8 @@
 
 #include "base/error.h"
 #include "base/log.h"
+#include "engine/fused_schedule.h"
+#include "engine/stage_planner.h"
 
 namespace rp {
 
@@ -57,7 +59,15 @@ std::vector<Stage> Model::make_plan(int64_t tokens, RecomputeGrain grain, StageU
     r.tokens = static_cast<double>(tokens);
     r.grain = grain;
     r.use = use;
-    std::vector<Stage> stages = plan_balanced(r);
+    // Several GPUs once times are measured (standard mode; memory-saving mode's stages also
+    // pace the optimizer, which the model of the call leaves out): the plan whose call is
+    // modelled shortest.
+    const bool model_the_call = num_devices() > 1 && use == StageUse::Fused &&
+                                !store_.saving() && !layer_forward_ms_.empty();
+    std::vector<Stage> stages =
+        model_the_call ? plan_for_devices(r, layer_forward_ms_, layer_backward_ms_,
+                                          num_devices(), measured_microbatches_)
+                       : plan_balanced(r);
     if (plan_cap_ > 0 && tokens > 0) {
         double worst = 0;
         size_t worst_stage = 0;
@@ -126,26 +136,53 @@ void Model::replan_from_trace() {
     // recompute) against a backward job's (recompute and backward). In a sum the tail's layers
     // look cheaper (no recompute, no forward job) and the tail would grow into the slowest job.
     const bool several = num_devices() > 1;
-    std::vector<double> stage_ms(stages_.size(), 0.0);
+    std::vector<double> stage_ms(stages_.size(), 0.0), forward_ms(stages_.size(), -1.0),
+        backward_ms(stages_.size(), -1.0);
+    size_t microbatches = 0;
     for (const JobTrace &job : pipeline_.last_trace()) {
         double ms = 0;
+        size_t spans = 0;
         for (const TraceSpan &span : job.spans)
-            if (span.what == "compute")
+            if (span.what == "compute") {
                 ms += span.end_ms - span.start_ms;
+                ++spans; // one per microbatch
+            }
+        microbatches = std::max(microbatches, spans);
         stage_ms[job.stage] =
             several ? std::max(stage_ms[job.stage], ms) : stage_ms[job.stage] + ms;
+        (job.kind == JobKind::Forward ? forward_ms : backward_ms)[job.stage] = ms;
     }
-    std::vector<double> cost(layers_.size());
-    for (size_t s = 0; s < stages_.size(); ++s) {
-        double estimate = 0;
-        for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
-            estimate += layers_[l]->cost_estimate();
-        for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
-            cost[l] = stage_ms[s] * layers_[l]->cost_estimate() / estimate;
-    }
+    // Spread a per-stage time over the stage's layers in proportion to their estimates.
+    auto per_layer = [&](const std::vector<double> &per_stage) {
+        std::vector<double> out(layers_.size(), -1.0);
+        for (size_t s = 0; s < stages_.size(); ++s) {
+            if (per_stage[s] < 0)
+                continue; // no such job for this stage
+            double estimate = 0;
+            for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
+                estimate += layers_[l]->cost_estimate();
+            for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
+                out[l] = per_stage[s] * layers_[l]->cost_estimate() / estimate;
+        }
+        return out;
+    };
+    std::vector<double> cost = per_layer(stage_ms);
     if (dp_) // every rank must plan alike (GPU data parallelism pairs the ranks' jobs)
         dp_->average(cost);
     layer_costs_ = std::move(cost);
+    if (several)
+        measure_layer_times(per_layer(forward_ms), per_layer(backward_ms), microbatches);
+    // The fused call as modelled for a plan (plan_for_devices), for the log: -1 if not modelled.
+    auto modelled_ms = [&](const std::vector<Stage> &stages) {
+        if (layer_forward_ms_.empty() || stages.empty())
+            return -1.0;
+        std::vector<size_t> cuts{0};
+        for (const Stage &st : stages)
+            cuts.push_back(st.end_layer);
+        return fused_call_ms(fused_job_ms(cuts, layer_forward_ms_, layer_backward_ms_),
+                             num_devices(), measured_microbatches_);
+    };
+    const double before_ms = modelled_ms(stages_);
     plans_.clear();
     stages_ = make_plan(std::get<0>(last_plan_key_),
                         static_cast<RecomputeGrain>(std::get<1>(last_plan_key_)),
@@ -156,8 +193,39 @@ void Model::replan_from_trace() {
         measured += (measured.empty() ? "" : ", ") + std::to_string(static_cast<int>(ms));
     for (int c : stage_plan())
         plan += (plan.empty() ? "" : ", ") + std::to_string(c);
+    std::string model;
+    if (before_ms >= 0)
+        model = " (the fused call modelled: " + std::to_string(static_cast<int>(before_ms)) +
+                " ms before, " + std::to_string(static_cast<int>(modelled_ms(stages_))) +
+                " ms now)";
     log(LogLevel::Info, name_ + ": re-planned from measured stage times [" + measured +
-                            "] ms: layers per stage [" + plan + "]");
+                            "] ms: layers per stage [" + plan + "]" + model);
+}
+
+void Model::measure_layer_times(std::vector<double> forward, std::vector<double> backward,
+                                size_t microbatches) {
+    // A fused call measures every layer's backward time (a backward job or the tail) and the
+    // forward time of every layer but the tail's: those get the others' forward share of it.
+    double forward_sum = 0, backward_sum = 0;
+    for (size_t l = 0; l < layers_.size(); ++l)
+        if (forward[l] >= 0 && backward[l] >= 0) {
+            forward_sum += forward[l];
+            backward_sum += backward[l];
+        }
+    for (size_t l = 0; l < layers_.size(); ++l)
+        if (backward[l] < 0 || microbatches == 0)
+            return; // not a fused call's trace: nothing to model with
+    const double share = backward_sum > 0 ? forward_sum / backward_sum : 1.0 / 3.0;
+    for (size_t l = 0; l < layers_.size(); ++l)
+        if (forward[l] < 0)
+            forward[l] = share * backward[l];
+    if (dp_) { // every rank must plan alike
+        dp_->average(forward);
+        dp_->average(backward);
+    }
+    layer_forward_ms_ = std::move(forward);
+    layer_backward_ms_ = std::move(backward);
+    measured_microbatches_ = microbatches;
 }
 
 std::vector<Stage> Model::backward_plan_for(const std::vector<Stage> &forward) const {

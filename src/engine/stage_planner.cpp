@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 
 #include "base/error.h"
+#include "engine/fused_schedule.h"
 
 namespace rp {
 namespace {
@@ -29,51 +31,61 @@ double working_set(const PlanRequest &r, double sum, double max, bool last) {
     return r.tokens * (keeps_graph ? sum + 0.5 * max : 1.5 * max + (sum - max) / 16.0);
 }
 
-} // namespace
+// plan_for_devices tries at most this many cuts per stage count (under a second of modelling).
+constexpr double kMaxPlansSearched = 2e6;
 
-double stage_footprint(const PlanRequest &r, size_t first, size_t end) {
-    double fixed = 0, sum = 0, max = 0;
-    for (size_t l = first; l < end; ++l) {
-        fixed += r.layers[l].fixed_bytes;
-        sum += r.layers[l].activation_bytes_per_token;
-        max = std::max(max, r.layers[l].activation_bytes_per_token);
-    }
-    return fixed + working_set(r, sum, max, end == r.layers.size());
+// n choose k, as a double (only compared with kMaxPlansSearched).
+double binomial(size_t n, size_t k) {
+    double c = 1;
+    for (size_t i = 1; i <= k; ++i)
+        c = c * static_cast<double>(n - k + i) / static_cast<double>(i);
+    return c;
 }
 
-std::vector<Stage> plan_balanced(const PlanRequest &r) {
-    const size_t n = r.costs.size();
-    require(r.layers.size() == n, "stage planner: one footprint per layer is needed");
-    const double max_fixed = r.max_stage_weight_bytes, max_total = r.max_stage_bytes;
-    const bool fixed_limited = max_fixed > 0, total_limited = max_total > 0;
-    std::vector<double> prefix(n + 1, 0.0), mem(n + 1, 0.0), act(n + 1, 0.0);
-    for (size_t i = 0; i < n; ++i) {
-        prefix[i + 1] = prefix[i] + r.costs[i];
-        mem[i + 1] = mem[i] + r.layers[i].fixed_bytes;
-        act[i + 1] = act[i] + r.layers[i].activation_bytes_per_token;
-        if (fixed_limited && r.layers[i].fixed_bytes > max_fixed)
-            fail(ErrorKind::InvalidArgument,
-                 "layer " + std::to_string(i) + " needs " +
-                     std::to_string(r.layers[i].fixed_bytes / 1048576.0) +
-                     " MiB on the GPU (weights and gradients), more than a stage may use (" +
-                     std::to_string(max_fixed / 1048576.0) +
-                     " MiB, a third of the GPU memory cap); raise the cap or split the layer");
+// Prefix sums of a request's layers and the memory limits stages must keep.
+struct StageLimits {
+    const PlanRequest &r;
+    std::vector<double> prefix, mem, act;
+
+    explicit StageLimits(const PlanRequest &req) : r(req) {
+        const size_t n = r.costs.size();
+        require(r.layers.size() == n, "stage planner: one footprint per layer is needed");
+        prefix.assign(n + 1, 0.0);
+        mem.assign(n + 1, 0.0);
+        act.assign(n + 1, 0.0);
+        for (size_t i = 0; i < n; ++i) {
+            prefix[i + 1] = prefix[i] + r.costs[i];
+            mem[i + 1] = mem[i] + r.layers[i].fixed_bytes;
+            act[i + 1] = act[i] + r.layers[i].activation_bytes_per_token;
+            if (r.max_stage_weight_bytes > 0 && r.layers[i].fixed_bytes > r.max_stage_weight_bytes)
+                fail(ErrorKind::InvalidArgument,
+                     "layer " + std::to_string(i) + " needs " +
+                         std::to_string(r.layers[i].fixed_bytes / 1048576.0) +
+                         " MiB on the GPU (weights and gradients), more than a stage may use (" +
+                         std::to_string(r.max_stage_weight_bytes / 1048576.0) +
+                         " MiB, a third of the GPU memory cap); raise the cap or split the layer");
+        }
     }
-    // Whether stage [j, i) fits. Growing a stage (smaller j) only adds bytes, so the DP below
-    // stops extending a stage at the first misfit. A single layer always fits the total limit:
-    // it cannot be split, and the estimate may be pessimistic.
-    auto fits = [&](size_t j, size_t i, double act_max) {
-        if (fixed_limited && mem[i] - mem[j] > max_fixed)
+    size_t layers() const { return r.costs.size(); }
+
+    // Whether stage [j, i) fits; `act_max`: the largest per-token activation figure among its
+    // layers. Growing a stage (smaller j or larger i) only adds bytes, so a search may stop
+    // extending a stage at the first misfit. A single layer always fits the total limit: it
+    // cannot be split, and the estimate may be pessimistic.
+    bool fits(size_t j, size_t i, double act_max) const {
+        if (r.max_stage_weight_bytes > 0 && mem[i] - mem[j] > r.max_stage_weight_bytes)
             return false;
-        if (!total_limited || i - j == 1)
+        if (r.max_stage_bytes <= 0 || i - j == 1)
             return true;
-        return mem[i] - mem[j] + working_set(r, act[i] - act[j], act_max, i == n) <= max_total;
-    };
+        return mem[i] - mem[j] + working_set(r, act[i] - act[j], act_max, i == layers()) <=
+               r.max_stage_bytes;
+    }
+
     // Fewest stages memory allows: packing each stage as far as it fits, from the front, is
     // optimal because every part of a fitting stage fits too (a part that ends the model is
-    // judged as the tail, as is the whole). The DP then balances cost from that count on.
-    size_t k_min = std::max<size_t>(1, std::min(r.min_stages, n));
-    {
+    // judged as the tail, as is the whole).
+    size_t fewest_stages() const {
+        const size_t n = layers();
         size_t count = 0;
         for (size_t j = 0; j < n; ++count) {
             size_t i = j + 1;
@@ -87,8 +99,30 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
             }
             j = i;
         }
-        k_min = std::max(k_min, count);
+        return count;
     }
+};
+
+} // namespace
+
+double stage_footprint(const PlanRequest &r, size_t first, size_t end) {
+    double fixed = 0, sum = 0, max = 0;
+    for (size_t l = first; l < end; ++l) {
+        fixed += r.layers[l].fixed_bytes;
+        sum += r.layers[l].activation_bytes_per_token;
+        max = std::max(max, r.layers[l].activation_bytes_per_token);
+    }
+    return fixed + working_set(r, sum, max, end == r.layers.size());
+}
+
+std::vector<Stage> plan_balanced(const PlanRequest &r) {
+    const StageLimits limits(r);
+    const size_t n = limits.layers();
+    auto fits = [&](size_t j, size_t i, double act_max) { return limits.fits(j, i, act_max); };
+    const std::vector<double> &prefix = limits.prefix;
+    // Fewest stages memory allows; the DP then balances cost from that count on.
+    const size_t k_min =
+        std::max(std::max<size_t>(1, std::min(r.min_stages, n)), limits.fewest_stages());
     const double inf = std::numeric_limits<double>::infinity();
     for (size_t num_stages = std::min(k_min, n); num_stages <= n; ++num_stages) {
         // best[k][i]: smallest maximum stage cost splitting the first i layers into k stages.
@@ -120,6 +154,56 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
         return stages;
     }
     fail(ErrorKind::Internal, "stage planner found no feasible plan");
+}
+
+std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<double> &forward_ms,
+                                    const std::vector<double> &backward_ms, size_t devices,
+                                    size_t microbatches, double *modelled_ms) {
+    const StageLimits limits(r);
+    const size_t n = limits.layers();
+    require(forward_ms.size() == n && backward_ms.size() == n,
+            "stage planner: one forward and one backward time per layer are needed");
+    const size_t fewest = std::max<size_t>(std::min<size_t>(2, n), limits.fewest_stages());
+    std::vector<size_t> cuts{0}, best_cuts;
+    double best_ms = std::numeric_limits<double>::infinity();
+    // Depth-first over the cut positions of `stages` stages from layer j on, stopping a stage's
+    // growth at its first misfit (longer stages only grow).
+    std::function<void(size_t, size_t)> search = [&](size_t j, size_t stages) {
+        double act_max = 0;
+        for (size_t i = j + 1; i + stages - 1 <= n; ++i) {
+            act_max = std::max(act_max, r.layers[i - 1].activation_bytes_per_token);
+            if (stages == 1 && i < n)
+                continue; // the last stage ends the model
+            if (!limits.fits(j, i, act_max))
+                break;
+            cuts.push_back(i);
+            if (stages == 1) {
+                const double ms = fused_call_ms(fused_job_ms(cuts, forward_ms, backward_ms),
+                                                devices, microbatches);
+                // A plan with more stages must be clearly shorter: its hand-offs and recompute
+                // are not in the model.
+                const bool more_stages = !best_cuts.empty() && cuts.size() > best_cuts.size();
+                if (ms < best_ms * (more_stages ? 0.99 : 1.0)) {
+                    best_ms = ms;
+                    best_cuts = cuts;
+                }
+            } else {
+                search(i, stages - 1);
+            }
+            cuts.pop_back();
+        }
+    };
+    for (size_t stages = fewest; stages <= std::min(n, fewest + 3); ++stages)
+        if (binomial(n - 1, stages - 1) <= kMaxPlansSearched)
+            search(0, stages);
+    if (best_cuts.empty())
+        return plan_balanced(r);
+    if (modelled_ms)
+        *modelled_ms = best_ms;
+    std::vector<Stage> stages;
+    for (size_t k = 0; k + 1 < best_cuts.size(); ++k)
+        stages.push_back({best_cuts[k], best_cuts[k + 1]});
+    return stages;
 }
 
 std::vector<Stage> plan_explicit(const std::vector<int> &sizes, size_t num_layers) {

@@ -51,6 +51,19 @@ double stage_footprint(const PlanRequest &r, size_t first, size_t end);
 // InvalidArgument when a single layer's fixed bytes exceed their limit.
 std::vector<Stage> plan_balanced(const PlanRequest &r);
 
+// Several devices, a fused call: among the cuts that fit memory as in plan_balanced (and at
+// least two stages), the one whose call fused_call_ms (engine/fused_schedule.h) models as
+// shortest on `devices` devices with `microbatches` microbatches, from measured per-layer
+// compute times (`forward_ms`: in a forward job; `backward_ms`: in a backward job or the tail).
+// The balanced plan minimises the slowest stage; this one the call: on two GPUs the odd job
+// count gives one device a job more, and fewer stages recompute fewer layers. Stage counts from
+// the fewest memory allows up to three more (those whose cuts are too many to try are skipped);
+// a plan with more stages must be modelled 1% faster. `modelled_ms` (may be null) receives the
+// winner's modelled time. Nothing tried: plan_balanced(r).
+std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<double> &forward_ms,
+                                    const std::vector<double> &backward_ms, size_t devices,
+                                    size_t microbatches, double *modelled_ms = nullptr);
+
 // Stages from explicit sizes; throws InvalidArgument unless they are positive and cover every
 // layer exactly.
 std::vector<Stage> plan_explicit(const std::vector<int> &layers_per_stage, size_t num_layers);

@@ -1,0 +1,171 @@
+// The multi-device planner's parts, checked on their own (no devices needed):
+//  - fused_call_ms against timelines worked out by hand (one device: the jobs' sum; two devices:
+//    the round robin's waits);
+//  - fused_job_ms against the job list written out by hand;
+//  - plan_for_devices against a brute force over every cut of a small model: it returns the
+//    modelled-shortest plan that fits memory (ties: fewest stages), never a stage over the
+//    memory limits, and never a plan modelled slower than the balanced planner's.
+// Links src/engine/fused_schedule.cpp and stage_planner.cpp directly (not exported by the
+// library).
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "engine/fused_schedule.h"
+#include "engine/stage_planner.h"
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const char *what, double got = NAN, double want = NAN) {
+    if (ok)
+        return;
+    std::printf("FAILED: %s (got %g, want %g)\n", what, got, want);
+    ++failures;
+}
+
+void check_close(double got, double want, const char *what) {
+    check(std::fabs(got - want) <= 1e-9 * std::max(1.0, std::fabs(want)), what, got, want);
+}
+
+void timelines_by_hand() {
+    check_close(rp::fused_call_ms({4, 8, 4}, 1, 2), 16, "one device: the jobs one after another");
+    // Two devices, two microbatches each, per-microbatch times 2, 3, 2:
+    // job 0 (device 0): [0, 2], [2, 4]; job 1 (device 1): [2, 5], [5, 8];
+    // job 2 (device 0, free at 4): microbatch 0 waits for job 1's: [5, 7], then [8, 10].
+    check_close(rp::fused_call_ms({4, 6, 4}, 2, 2), 10, "two devices: the round robin's waits");
+    // Three jobs on three devices, one microbatch: a chain.
+    check_close(rp::fused_call_ms({1, 2, 3}, 3, 1), 6, "one microbatch: a chain");
+    check_close(rp::fused_call_ms({}, 2, 4), 0, "no jobs");
+}
+
+void jobs_by_hand() {
+    const std::vector<double> f{1, 2, 3, 4, 5}, b{10, 20, 30, 40, 50};
+    const std::vector<double> jobs = rp::fused_job_ms({0, 2, 3, 5}, f, b);
+    const std::vector<double> want{3, 3, 90, 30, 30}; // F0, F1, tail, B1, B0
+    check(jobs.size() == want.size(), "fused_job_ms: 2S - 1 jobs", jobs.size(), want.size());
+    for (size_t j = 0; j < want.size() && j < jobs.size(); ++j)
+        check_close(jobs[j], want[j], "fused_job_ms: job time");
+}
+
+rp::PlanRequest request(size_t n, double weight_bytes, double max_stage_weight_bytes) {
+    rp::PlanRequest r;
+    r.costs.assign(n, 1.0);
+    r.layers.assign(n, rp::LayerFootprint{weight_bytes, 0.0});
+    r.max_stage_weight_bytes = max_stage_weight_bytes;
+    r.min_stages = 4;
+    return r;
+}
+
+std::vector<size_t> cuts_of(const std::vector<rp::Stage> &stages) {
+    std::vector<size_t> cuts{0};
+    for (const rp::Stage &s : stages)
+        cuts.push_back(s.end_layer);
+    return cuts;
+}
+
+double modelled(const std::vector<size_t> &cuts, const std::vector<double> &f,
+                const std::vector<double> &b, size_t devices, size_t mbs) {
+    return rp::fused_call_ms(rp::fused_job_ms(cuts, f, b), devices, mbs);
+}
+
+// Every cut of n layers into 2..n stages whose stages hold at most `most` layers: the shortest
+// modelled call, preferring fewer stages unless more are 1% faster (plan_for_devices's rule,
+// over the stage counts it tries: from the fewest that fit to three more).
+std::vector<size_t> brute_force(size_t n, size_t most, const std::vector<double> &f,
+                                const std::vector<double> &b, size_t devices, size_t mbs) {
+    const size_t fewest = std::max<size_t>(2, (n + most - 1) / most);
+    std::vector<size_t> best;
+    double best_ms = std::numeric_limits<double>::infinity();
+    for (size_t stages = fewest; stages <= std::min(n, fewest + 3); ++stages) {
+        std::vector<size_t> stage_best;
+        double stage_ms = std::numeric_limits<double>::infinity();
+        std::vector<size_t> cuts{0};
+        std::function<void(size_t, size_t)> go = [&](size_t j, size_t left) {
+            if (left == 0) {
+                if (j != n)
+                    return;
+                const double ms = modelled(cuts, f, b, devices, mbs);
+                if (ms < stage_ms) {
+                    stage_ms = ms;
+                    stage_best = cuts;
+                }
+                return;
+            }
+            for (size_t i = j + 1; i <= n && i - j <= most; ++i) {
+                cuts.push_back(i);
+                go(i, left - 1);
+                cuts.pop_back();
+            }
+        };
+        go(0, stages);
+        if (stage_best.empty())
+            continue;
+        if (stage_ms < best_ms * (best.empty() ? 1.0 : 0.99)) {
+            best_ms = stage_ms;
+            best = stage_best;
+        }
+    }
+    return best;
+}
+
+void search_against_brute_force() {
+    // Ten layers of uneven times (a heavy last layer, as an LM head), forward a third of
+    // backward; at most four layers per stage (weights 1 byte each, limit 4).
+    const size_t n = 10, most = 4;
+    std::vector<double> f(n), b(n);
+    for (size_t l = 0; l < n; ++l) {
+        b[l] = 3.0 + static_cast<double>(l % 3);
+        f[l] = b[l] / 3.0;
+    }
+    b[n - 1] = 12.0;
+    f[n - 1] = 4.0;
+    for (size_t devices : {2, 3})
+        for (size_t mbs : {1, 4, 8}) {
+            const rp::PlanRequest r = request(n, 1.0, static_cast<double>(most));
+            double ms = -1;
+            const std::vector<rp::Stage> plan = rp::plan_for_devices(r, f, b, devices, mbs, &ms);
+            const std::vector<size_t> got = cuts_of(plan), want = brute_force(n, most, f, b, devices, mbs);
+            check_close(modelled(got, f, b, devices, mbs), modelled(want, f, b, devices, mbs),
+                        "plan_for_devices: the brute force's modelled time");
+            check(got.size() == want.size(), "plan_for_devices: the brute force's stage count",
+                  got.size(), want.size());
+            check_close(ms, modelled(got, f, b, devices, mbs), "modelled_ms: the plan's");
+            for (const rp::Stage &s : plan)
+                check(s.end_layer - s.first_layer <= most, "a stage within the memory limit",
+                      s.end_layer - s.first_layer, most);
+            const std::vector<size_t> balanced = cuts_of(rp::plan_balanced(r));
+            check(modelled(got, f, b, devices, mbs) <= modelled(balanced, f, b, devices, mbs),
+                  "never modelled slower than the balanced plan", modelled(got, f, b, devices, mbs),
+                  modelled(balanced, f, b, devices, mbs));
+        }
+}
+
+void equal_times_prefer_fewer_stages() {
+    // One microbatch on one device: every plan's call is the sum of its jobs, and a stage more
+    // only adds a forward job; the fewest stages that fit (two) must win.
+    const size_t n = 6;
+    std::vector<double> f(n, 1.0), b(n, 3.0);
+    const std::vector<rp::Stage> plan = rp::plan_for_devices(request(n, 1.0, 0.0), f, b, 1, 1);
+    check(plan.size() == 2, "one device: two stages", plan.size(), 2);
+    check(plan.size() == 2 && plan[0].end_layer == 1, "one device: the smallest first stage",
+          plan.empty() ? -1.0 : static_cast<double>(plan[0].end_layer), 1);
+}
+
+} // namespace
+
+int main() {
+    timelines_by_hand();
+    jobs_by_hand();
+    search_against_brute_force();
+    equal_times_prefer_fewer_stages();
+    if (failures) {
+        std::printf("%d check(s) failed\n", failures);
+        return 1;
+    }
+    std::printf("all stage-planning checks passed\n");
+    return 0;
+}
