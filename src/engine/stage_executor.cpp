@@ -169,8 +169,8 @@ Transfer stage_input(CallContext &ctx, size_t job, size_t stage, size_t m) {
     if (stage == 0) {
         const std::vector<at::Tensor> &inputs = ctx.microbatches.inputs[m];
         if (ctx.layers.front()->takes_all_call_inputs())
-            return {inputs, nullptr};
-        return {{inputs[0]}, nullptr};
+            return {inputs, nullptr, {}};
+        return {{inputs[0]}, nullptr, {}};
     }
     return ctx.state->take(job - 1, m);
 }
