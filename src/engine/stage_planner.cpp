@@ -164,6 +164,14 @@ std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<doub
     require(forward_ms.size() == n && backward_ms.size() == n,
             "stage planner: one forward and one backward time per layer are needed");
     const size_t fewest = std::max<size_t>(std::min<size_t>(2, n), limits.fewest_stages());
+    // The host's side is not in the model, so no plan may cost it more than the balanced one:
+    // no more stages (hand-offs), and a tail at least as large (a tail's weights go up once, the
+    // other stages' twice). A plan with more stages and a smaller tail measured slower on two
+    // H200s although its devices were better balanced: its transfers slowed the optimizer step
+    // running beside the call (bench/RESULTS.md, round 6).
+    const std::vector<Stage> balanced = plan_balanced(r);
+    const size_t most = balanced.size();
+    const double least_tail_bytes = limits.mem[n] - limits.mem[balanced.back().first_layer];
     std::vector<size_t> cuts{0}, best_cuts;
     double best_ms = std::numeric_limits<double>::infinity();
     // Depth-first over the cut positions of `stages` stages from layer j on, stopping a stage's
@@ -176,6 +184,10 @@ std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<doub
                 continue; // the last stage ends the model
             if (!limits.fits(j, i, act_max))
                 break;
+            if (stages == 1 && limits.mem[n] - limits.mem[j] < least_tail_bytes)
+                break; // the tail, from j on, is smaller than the balanced plan's
+            if (stages > 1 && limits.mem[n] - limits.mem[i] < least_tail_bytes)
+                break; // every tail after this cut is smaller than the balanced plan's
             cuts.push_back(i);
             if (stages == 1) {
                 const double ms = fused_call_ms(fused_job_ms(cuts, forward_ms, backward_ms),
@@ -193,11 +205,11 @@ std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<doub
             cuts.pop_back();
         }
     };
-    for (size_t stages = fewest; stages <= std::min(n, fewest + 3); ++stages)
+    for (size_t stages = fewest; stages <= most; ++stages)
         if (binomial(n - 1, stages - 1) <= kMaxPlansSearched)
             search(0, stages);
     if (best_cuts.empty())
-        return plan_balanced(r);
+        return balanced;
     if (modelled_ms)
         *modelled_ms = best_ms;
     std::vector<Stage> stages;

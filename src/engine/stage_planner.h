@@ -56,10 +56,12 @@ std::vector<Stage> plan_balanced(const PlanRequest &r);
 // shortest on `devices` devices with `microbatches` microbatches, from measured per-layer
 // compute times (`forward_ms`: in a forward job; `backward_ms`: in a backward job or the tail).
 // The balanced plan minimises the slowest stage; this one the call: on two GPUs the odd job
-// count gives one device a job more, and fewer stages recompute fewer layers. Stage counts from
-// the fewest memory allows up to three more (those whose cuts are too many to try are skipped);
-// a plan with more stages must be modelled 1% faster. `modelled_ms` (may be null) receives the
-// winner's modelled time. Nothing tried: plan_balanced(r).
+// count gives one device a job more, and fewer stages recompute fewer layers. The host is not
+// modelled, so the candidates cost it no more than plan_balanced(r) does: no more stages and a
+// tail of at least as many fixed bytes; among them a plan with more stages must be modelled 1%
+// faster (its hand-offs are not modelled). Stage counts whose cuts are too many to try are
+// skipped. `modelled_ms` (may be null) receives the winner's modelled time. Nothing tried:
+// plan_balanced(r), which is always a candidate, so the result is never modelled slower.
 std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<double> &forward_ms,
                                     const std::vector<double> &backward_ms, size_t devices,
                                     size_t microbatches, double *modelled_ms = nullptr);

@@ -3,8 +3,10 @@
 //    the round robin's waits);
 //  - fused_job_ms against the job list written out by hand;
 //  - plan_for_devices against a brute force over every cut of a small model: it returns the
-//    modelled-shortest plan that fits memory (ties: fewest stages), never a stage over the
-//    memory limits, and never a plan modelled slower than the balanced planner's.
+//    modelled-shortest plan that fits memory (ties: fewest stages) among those with no more
+//    stages than the balanced planner's and a tail at least as large (the host's side, which
+//    the model leaves out, then costs no more), never a stage over the memory limits, and never
+//    a plan modelled slower than the balanced one.
 // Links src/engine/fused_schedule.cpp and stage_planner.cpp directly (not exported by the
 // library).
 #include <cmath>
@@ -72,21 +74,24 @@ double modelled(const std::vector<size_t> &cuts, const std::vector<double> &f,
     return rp::fused_call_ms(rp::fused_job_ms(cuts, f, b), devices, mbs);
 }
 
-// Every cut of n layers into 2..n stages whose stages hold at most `most` layers: the shortest
-// modelled call, preferring fewer stages unless more are 1% faster (plan_for_devices's rule,
-// over the stage counts it tries: from the fewest that fit to three more).
-std::vector<size_t> brute_force(size_t n, size_t most, const std::vector<double> &f,
-                                const std::vector<double> &b, size_t devices, size_t mbs) {
+// Every cut of n equal-weight layers into stages of at most `most` layers, no more stages than
+// the balanced plan and a tail of at least its layers: the shortest modelled call, preferring
+// fewer stages unless more are 1% faster (plan_for_devices's rule).
+std::vector<size_t> brute_force(size_t n, size_t most, const std::vector<size_t> &balanced,
+                                const std::vector<double> &f, const std::vector<double> &b,
+                                size_t devices, size_t mbs) {
     const size_t fewest = std::max<size_t>(2, (n + most - 1) / most);
+    const size_t most_stages = balanced.size() - 1;
+    const size_t least_tail = n - balanced[balanced.size() - 2];
     std::vector<size_t> best;
     double best_ms = std::numeric_limits<double>::infinity();
-    for (size_t stages = fewest; stages <= std::min(n, fewest + 3); ++stages) {
+    for (size_t stages = fewest; stages <= most_stages; ++stages) {
         std::vector<size_t> stage_best;
         double stage_ms = std::numeric_limits<double>::infinity();
         std::vector<size_t> cuts{0};
         std::function<void(size_t, size_t)> go = [&](size_t j, size_t left) {
             if (left == 0) {
-                if (j != n)
+                if (j != n || n - cuts[cuts.size() - 2] < least_tail)
                     return;
                 const double ms = modelled(cuts, f, b, devices, mbs);
                 if (ms < stage_ms) {
@@ -128,7 +133,9 @@ void search_against_brute_force() {
             const rp::PlanRequest r = request(n, 1.0, static_cast<double>(most));
             double ms = -1;
             const std::vector<rp::Stage> plan = rp::plan_for_devices(r, f, b, devices, mbs, &ms);
-            const std::vector<size_t> got = cuts_of(plan), want = brute_force(n, most, f, b, devices, mbs);
+            const std::vector<size_t> balanced = cuts_of(rp::plan_balanced(r));
+            const std::vector<size_t> got = cuts_of(plan),
+                                      want = brute_force(n, most, balanced, f, b, devices, mbs);
             check_close(modelled(got, f, b, devices, mbs), modelled(want, f, b, devices, mbs),
                         "plan_for_devices: the brute force's modelled time");
             check(got.size() == want.size(), "plan_for_devices: the brute force's stage count",
@@ -137,11 +144,42 @@ void search_against_brute_force() {
             for (const rp::Stage &s : plan)
                 check(s.end_layer - s.first_layer <= most, "a stage within the memory limit",
                       s.end_layer - s.first_layer, most);
-            const std::vector<size_t> balanced = cuts_of(rp::plan_balanced(r));
+            check(got.size() <= balanced.size(), "no more stages than the balanced plan",
+                  got.size(), balanced.size());
+            check(n - got[got.size() - 2] >= n - balanced[balanced.size() - 2],
+                  "a tail at least the balanced plan's", n - got[got.size() - 2],
+                  n - balanced[balanced.size() - 2]);
             check(modelled(got, f, b, devices, mbs) <= modelled(balanced, f, b, devices, mbs),
                   "never modelled slower than the balanced plan", modelled(got, f, b, devices, mbs),
                   modelled(balanced, f, b, devices, mbs));
         }
+}
+
+void the_host_is_never_charged_more() {
+    // The balanced planner sees the last four layers as cheap (estimates 0.1) and puts them all
+    // in the tail; measured, they are the heaviest, and the model alone would spread them with a
+    // tail of two. The tail's weights go up once and the other stages' twice, so a smaller tail
+    // costs the host more: the tail stays at four or more layers.
+    const size_t n = 10, most = 4;
+    std::vector<double> f(n), b(n);
+    for (size_t l = 0; l < n; ++l) {
+        b[l] = l >= 6 ? 8.0 : 3.0;
+        f[l] = b[l] / 3.0;
+    }
+    rp::PlanRequest r = request(n, 1.0, static_cast<double>(most));
+    for (size_t l = 6; l < n; ++l)
+        r.costs[l] = 0.1;
+    const std::vector<size_t> balanced = cuts_of(rp::plan_balanced(r));
+    check(n - balanced[balanced.size() - 2] == 4, "the balanced plan's tail: four layers",
+          n - balanced[balanced.size() - 2], 4);
+    const std::vector<size_t> got = cuts_of(rp::plan_for_devices(r, f, b, 2, 4));
+    check(n - got[got.size() - 2] >= 4, "the tail kept at four layers or more",
+          n - got[got.size() - 2], 4);
+    check(got.size() <= balanced.size(), "no more stages than the balanced plan", got.size(),
+          balanced.size());
+    const std::vector<size_t> want = brute_force(n, most, balanced, f, b, 2, 4);
+    check_close(modelled(got, f, b, 2, 4), modelled(want, f, b, 2, 4),
+                "the brute force's modelled time under the host's limits");
 }
 
 void equal_times_prefer_fewer_stages() {
@@ -161,6 +199,7 @@ int main() {
     timelines_by_hand();
     jobs_by_hand();
     search_against_brute_force();
+    the_host_is_never_charged_more();
     equal_times_prefer_fewer_stages();
     if (failures) {
         std::printf("%d check(s) failed\n", failures);
