@@ -37,15 +37,12 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
     }
 }
 
-void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn,
-                                   std::atomic<int64_t> *lent, int64_t lend_limit) {
+void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn) {
     std::lock_guard<std::mutex> lock(mutex_);
     require(buffers_zero_, "in-call steps need zeroed gradients");
     auto t = std::make_unique<FinalTracking>();
     t->fn = std::move(fn);
     t->landed.resize(jobs_per_param.size());
-    t->lent = lent;
-    t->lend_limit = lend_limit;
     t->jobs = t->jobs_left = jobs_per_param;
     t->delivered.assign(jobs_per_param.size(), 0);
     t->nonfinite.assign(jobs_per_param.size(), 0);
@@ -103,12 +100,12 @@ bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tenso
         grad.sizes() != dst.sizes())
         return false;
     const int64_t bytes = static_cast<int64_t>(grad.nbytes());
-    return final_->lent->load() + bytes <= final_->lend_limit;
+    return store_.lent_bytes() + bytes <= lend_limit_;
 }
 
 bool GradAccumulator::may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
                                         double factor) {
-    if (final_ || dp_ || standard_lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 ||
+    if (final_ || dp_ || lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 ||
         grad.scalar_type() != at::kBFloat16 || dst.scalar_type() != at::kFloat ||
         !grad.is_contiguous() || grad.sizes() != dst.sizes() || store_.grad_lent(p))
         return false;
@@ -117,7 +114,7 @@ bool GradAccumulator::may_lend_standard(size_t p, const at::Tensor &grad, const 
         if (touched_.count(p)) // the call's second contribution (a tied weight)
             return false;
     }
-    return store_.lent_bytes() + static_cast<int64_t>(grad.nbytes()) <= standard_lend_limit_;
+    return store_.lent_bytes() + static_cast<int64_t>(grad.nbytes()) <= lend_limit_;
 }
 
 void GradAccumulator::enqueue(Item item) {
@@ -245,7 +242,7 @@ void GradAccumulator::apply(const Item &item) {
         flags_.mark(g.first);
         at::Tensor &dst = store_.at(g.first).grad;
         if (may_lend(g.first, g.second, dst, factor)) { // handed below, the buffer untouched
-            final_->lent->fetch_add(static_cast<int64_t>(g.second.nbytes()));
+            store_.count_lent(static_cast<int64_t>(g.second.nbytes()));
             final_->landed[g.first] = g.second;
             continue;
         }

@@ -47,9 +47,10 @@ class GradAccumulator {
 
     // Before any call: average every contribution over `dp`'s ranks (null: none).
     void set_data_parallel(DataParallel *dp) { dp_ = dp; }
-    // Before any call, standard mode: lend bf16 downloads to the store while its lent bytes stay
-    // within `limit` (pinned staging memory; 0: never).
-    void lend_standard(int64_t limit) { standard_lend_limit_ = limit; }
+    // Before any call: downloads are lent (to the store in the standard mode, to the listener of
+    // report_final for in-call steps) while the store's lent bytes stay within `limit` (pinned
+    // staging memory; 0: never).
+    void set_lend_limit(int64_t limit) { lend_limit_ = limit; }
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
     // `jobs_per_param` (data parallel only): per parameter, how many of the call's jobs deliver
@@ -73,11 +74,10 @@ class GradAccumulator {
     // it. Until end_call.
     // A gradient one job delivers whole (every parameter but a tied one) is not copied at all:
     // the download is lent as FinalGradient::landed, which spares the host a read and a write of
-    // every gradient byte, and the end of the call the copy of the first stage's. While `*lent`
-    // (bytes lent and not yet given back: the listener subtracts them) would exceed
-    // `lend_limit`, gradients are copied as usual, so pinned staging memory stays bounded.
-    void report_final(const std::vector<int> &jobs_per_param, FinalFn fn,
-                      std::atomic<int64_t> *lent, int64_t lend_limit);
+    // every gradient byte, and the end of the call the copy of the first stage's. Its bytes
+    // count as the store's lent bytes until the listener gives them back
+    // (ParamStore::count_lent); beyond the lend limit gradients are copied as usual.
+    void report_final(const std::vector<int> &jobs_per_param, FinalFn fn);
     // Worker threads: (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
     // and `checks`, 0-d host tensors whose sum is the sum of those gradients (inf or nan when
     // any element is), computed on the device so the host need not read them twice.
@@ -108,8 +108,6 @@ class GradAccumulator {
         std::vector<int> jobs_left, delivered, jobs;
         std::vector<uint8_t> nonfinite, handed;
         std::vector<at::Tensor> landed; // lent downloads, until handed
-        std::atomic<int64_t> *lent = nullptr;
-        int64_t lend_limit = 0;
     };
     // In-call steps: whether `grad`, parameter p's only contribution, can be lent as it landed.
     bool may_lend(size_t p, const at::Tensor &grad, const at::Tensor &dst, double factor) const;
@@ -136,7 +134,7 @@ class GradAccumulator {
     std::unordered_set<size_t> touched_; // parameters written during this call
     std::exception_ptr error_;
     DataParallel *dp_ = nullptr;
-    int64_t standard_lend_limit_ = 0;
+    int64_t lend_limit_ = 0;
     std::unique_ptr<FinalTracking> final_; // in-call steps: set from report_final to end_call
     GradientReducer reducer_{store_};
     bool reducing_ = false; // a bucket is off the lock, being reduced

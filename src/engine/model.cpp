@@ -75,10 +75,8 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
         else // waits for the GPUs must notice a collective that a dead rank left hanging
             pipeline_.set_wait_watch([dp = dp_.get()] { dp->watch_device_collectives(); });
     }
-    // Standard mode: a bf16 gradient is read by the step where its download landed (see
-    // ParamStore::lend_grad).
-    if (!store_.saving())
-        gradients_.lend_standard(staging_lend_limit());
+    // Gradients are read where their downloads landed (ParamStore::lend_grad, in-call steps).
+    gradients_.set_lend_limit(staging_lend_limit());
     if (has_cuda_devices()) {
         gpu_memory_cap_ = o.gpu_memory_cap;
         if (gpu_memory_cap_ == 0) {
@@ -540,8 +538,7 @@ void Model::finish_unfinished(const std::vector<bool> &finished, int64_t number)
 std::vector<at::Tensor> Model::step_grads() {
     std::vector<at::Tensor> grads;
     for (size_t i = 0; i < store_.size(); ++i) {
-        if (!store_.saving())
-            store_.materialize_step_grad(i);
+        store_.materialize_step_grad(i); // nothing is lent in memory-saving mode
         grads.push_back(store_.step_grad(i));
     }
     return grads;
@@ -629,15 +626,13 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     check_step_in_call();
     builtin_optimizer(settings->kind);
     in_call_ = *settings;
-    lend_limit_ = staging_lend_limit();
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
     auto feed = std::make_shared<FinalFeed>();
     gradients_.report_final(
         gradient_jobs_per_param(ctx),
-        [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); }, &lent_gradient_bytes_,
-        lend_limit_);
+        [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); });
     // After gate_call: this call uploads what the previous step left, the next one what this
     // step leaves.
     const int64_t number = ++enqueued_;
@@ -663,7 +658,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
     auto give_back = [&] {
         for (GradAccumulator::FinalGradient &f : batch)
             if (f.landed.defined()) {
-                lent_gradient_bytes_ -= static_cast<int64_t>(f.landed.nbytes());
+                store_.count_lent(-static_cast<int64_t>(f.landed.nbytes()));
                 grads[f.param] = store_.step_grad(f.param);
             }
         batch.clear();

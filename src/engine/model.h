@@ -294,11 +294,6 @@ class Model {
     GradAccumulator gradients_{store_, flags_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     std::optional<OptimizerSettings> in_call_; // in-call steps' settings; none: explicit steps
-    // In-call steps: bytes of downloaded gradients lent to the optimizer thread and not yet given
-    // back, and the most that may be (GradAccumulator::report_final; the standard mode's lent
-    // gradients are counted by the store).
-    std::atomic<int64_t> lent_gradient_bytes_{0};
-    int64_t lend_limit_ = 0;
     GradScaler scaler_;
     StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds
     std::unique_ptr<PendingBackward> pending_;

@@ -89,14 +89,17 @@ class ParamStore {
     // `download` (bf16, the same shape), lent where it landed instead of widened into `grad`,
     // which must be zero and stays so: the built-in AdamW reads it there (half the bytes, and
     // no widening pass on the gradient thread). Whoever needs the fp32 gradient first calls
-    // materialize_grad / materialize_step_grad. lent_bytes() counts the lent bytes (pinned
-    // staging memory, bounded by the lender).
+    // materialize_grad / materialize_step_grad.
     void lend_grad(size_t i, at::Tensor download);
     bool grad_lent(size_t i) const { return params_[i].landed.defined(); }
     void materialize_grad(size_t i);      // grad = the lent gradient, widened; released
     void materialize_step_grad(size_t i); // the same for the gradient the step consumes
     void release_step_grads();            // after a step: its lent gradients go back
+    // Bytes of downloads lent and not yet given back (pinned staging memory, bounded by the
+    // lender): those above, and, for in-call steps, those handed straight to the optimizer
+    // thread, which count_lent adds (positive) and gives back (negative).
     int64_t lent_bytes() const { return lent_bytes_.load(); }
+    void count_lent(int64_t bytes) { lent_bytes_ += bytes; }
     // Optimizer thread, after a step left parameter i alone (or updated it without refreshing
     // its copy): staged = master, step_grad = 0.
     void finish_standard_step(size_t i);

@@ -174,34 +174,37 @@ std::vector<Stage> plan_for_devices(const PlanRequest &r, const std::vector<doub
     const double least_tail_bytes = limits.mem[n] - limits.mem[balanced.back().first_layer];
     std::vector<size_t> cuts{0}, best_cuts;
     double best_ms = std::numeric_limits<double>::infinity();
-    // Depth-first over the cut positions of `stages` stages from layer j on, stopping a stage's
-    // growth at its first misfit (longer stages only grow).
+    // The last stage, from layer j on, completes `cuts`.
+    auto try_tail = [&](size_t j) {
+        double act_max = 0;
+        for (size_t l = j; l < n; ++l)
+            act_max = std::max(act_max, r.layers[l].activation_bytes_per_token);
+        if (!limits.fits(j, n, act_max))
+            return;
+        cuts.push_back(n);
+        const double ms =
+            fused_call_ms(fused_job_ms(cuts, forward_ms, backward_ms), devices, microbatches);
+        // A plan with more stages must be clearly shorter: its hand-offs are not in the model.
+        const bool more_stages = !best_cuts.empty() && cuts.size() > best_cuts.size();
+        if (ms < best_ms * (more_stages ? 0.99 : 1.0)) {
+            best_ms = ms;
+            best_cuts = cuts;
+        }
+        cuts.pop_back();
+    };
+    // Depth-first over the cuts of `stages` stages from layer j on. A stage stops growing at its
+    // first misfit (longer stages only grow) or where the tail left after it would be smaller
+    // than the balanced plan's.
     std::function<void(size_t, size_t)> search = [&](size_t j, size_t stages) {
+        if (stages == 1)
+            return try_tail(j);
         double act_max = 0;
         for (size_t i = j + 1; i + stages - 1 <= n; ++i) {
             act_max = std::max(act_max, r.layers[i - 1].activation_bytes_per_token);
-            if (stages == 1 && i < n)
-                continue; // the last stage ends the model
-            if (!limits.fits(j, i, act_max))
+            if (!limits.fits(j, i, act_max) || limits.mem[n] - limits.mem[i] < least_tail_bytes)
                 break;
-            if (stages == 1 && limits.mem[n] - limits.mem[j] < least_tail_bytes)
-                break; // the tail, from j on, is smaller than the balanced plan's
-            if (stages > 1 && limits.mem[n] - limits.mem[i] < least_tail_bytes)
-                break; // every tail after this cut is smaller than the balanced plan's
             cuts.push_back(i);
-            if (stages == 1) {
-                const double ms = fused_call_ms(fused_job_ms(cuts, forward_ms, backward_ms),
-                                                devices, microbatches);
-                // A plan with more stages must be clearly shorter: its hand-offs and recompute
-                // are not in the model.
-                const bool more_stages = !best_cuts.empty() && cuts.size() > best_cuts.size();
-                if (ms < best_ms * (more_stages ? 0.99 : 1.0)) {
-                    best_ms = ms;
-                    best_cuts = cuts;
-                }
-            } else {
-                search(i, stages - 1);
-            }
+            search(i, stages - 1);
             cuts.pop_back();
         }
     };
