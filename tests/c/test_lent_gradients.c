@@ -21,8 +21,6 @@
 #include "test_support.h"
 
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 enum { ROWS = 12, IN = 6, OUT = 3 };
 
@@ -129,100 +127,42 @@ static void steps_read_lent_gradients_as_the_buffer_path_does(void **state) {
 
 static void assert_gradients_zero(rp_model *m) {
     ts_params *g = ts_grads(m);
-    for (size_t p = 0; p < g->count; ++p)
-        for (int64_t i = 0; i < g->numel[p]; ++i)
-            if (g->data[p][i] != 0.0f) {
-                print_error("%s[%lld] = %g, want 0\n", g->names[p], (long long)i, g->data[p][i]);
-                fail();
-            }
+    ts_assert_all_zero(g);
     ts_params_free(g);
 }
 
-static void zero_grad_drops_lent_gradients(void **state) {
-    (void)state;
-    rp_model *a = bf16_model(SPEC, NULL, 0), *b = bf16_model(SPEC, NULL, 0);
+/* Both models train on batch k and step (synchronously): they must end bit for bit equal. */
+static void step_both_and_compare(rp_model *a, rp_model *b, int k) {
     rp_optimizer *opt = adamw();
-    TS_OK(train_call(a, 1));
-    TS_OK(rp_zero_grad(a));
-    assert_gradients_zero(a); /* a lent gradient kept would be widened here */
-    TS_OK(train_call(a, 2));
+    TS_OK(train_call(a, k));
     TS_OK(rp_step(a, opt, 0));
-    TS_OK(train_call(b, 2));
+    TS_OK(train_call(b, k));
     TS_OK(rp_step(b, opt, 0));
     ts_params *wa = ts_masters(a), *wb = ts_masters(b);
     ts_assert_params_equal(wa, wb);
     ts_params_free(wa);
     ts_params_free(wb);
     rp_optimizer_destroy(opt);
+}
+
+static void zero_grad_drops_lent_gradients(void **state) {
+    (void)state;
+    rp_model *a = bf16_model(SPEC, NULL, 0), *b = bf16_model(SPEC, NULL, 0);
+    TS_OK(train_call(a, 1));
+    TS_OK(rp_zero_grad(a));
+    assert_gradients_zero(a); /* a lent gradient kept would be widened here */
+    step_both_and_compare(a, b, 2);
     rp_model_destroy(a);
     rp_model_destroy(b);
 }
 
 /* ---- a call failing after the deeper stages' gradients were lent ------------------------------ */
 
-/* A parameter-free caller layer in the first stage that passes its input through and, when
- * *fail is set, fails in the backward of the call's last microbatch: every deeper stage has
- * delivered its gradients by then (the failing backward needs them). It takes bf16 or fp32 and
- * returns fp32 (the engine converts it back to the model dtype). */
-static DLManagedTensor *as_f32(const DLTensor *t) {
-    const int64_t n = ts_numel(t);
-    float *values = malloc(sizeof(float) * (size_t)(n ? n : 1));
-    const char *base = (const char *)t->data + t->byte_offset;
-    for (int64_t i = 0; i < n; ++i) {
-        int64_t offset = i; /* element i in row-major order, through the strides if any */
-        if (t->strides) {
-            offset = 0;
-            for (int64_t d = t->ndim - 1, rest = i; d >= 0; --d) {
-                offset += (rest % t->shape[d]) * t->strides[d];
-                rest /= t->shape[d];
-            }
-        }
-        if (t->dtype.bits == 16) { /* bf16: the high half of an fp32 */
-            const uint32_t bits = (uint32_t)((const uint16_t *)base)[offset] << 16;
-            memcpy(&values[i], &bits, sizeof bits);
-        } else {
-            values[i] = ((const float *)base)[offset];
-        }
-    }
-    DLManagedTensor *out = ts_f32(t->ndim, t->shape, values);
-    free(values);
-    return out;
-}
-
-static int32_t pass_forward(rp_tensor_list *out, void **inout_context, const rp_layer_call *call,
-                            const DLManagedTensor *const *inputs, size_t n_inputs, void *ud) {
-    (void)call;
-    (void)ud;
-    (void)n_inputs;
-    if (inout_context)
-        *inout_context = NULL;
-    return rp_tensor_list_push(out, as_f32(&inputs[0]->dl_tensor)) == RP_OK ? 0 : 1;
-}
-
-static int32_t pass_backward(rp_tensor_list *in_grads, rp_tensor_list *param_grads, void *ctx,
-                             const rp_layer_call *call, const DLManagedTensor *const *out_grads,
-                             size_t n_outputs, void *ud) {
-    (void)param_grads;
-    (void)ctx;
-    (void)n_outputs;
-    int32_t microbatch = -1;
-    rp_layer_call_info(NULL, NULL, NULL, NULL, NULL, &microbatch, NULL, call);
-    if (*(const int *)ud && microbatch == 1) /* the last of ts_config(2, 0)'s two */
-        return 5;
-    return rp_tensor_list_push(in_grads, as_f32(&out_grads[0]->dl_tensor)) == RP_OK ? 0 : 1;
-}
-
-static const char *TRIPWIRE_SPEC =
-    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"caller\", \"def\": 0},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
-
+/* The tripwire (test_support.h) in the first stage fails the call's last backward microbatch,
+ * after every deeper stage has delivered (lent) its gradients. */
 static rp_model *tripwire_model(int *fail_flag) {
-    rp_layer_def *def = NULL;
-    TS_OK(rp_layer_def_create(&def, "c:tripwire", pass_forward, pass_backward, NULL, fail_flag));
-    rp_model *m = bf16_model(TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1);
+    rp_layer_def *def = ts_tripwire_def(fail_flag);
+    rp_model *m = bf16_model(TS_TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1);
     rp_layer_def_destroy(def);
     return m;
 }
@@ -233,19 +173,10 @@ static void a_failed_call_gives_back_what_it_lent(void **state) {
         skip(); /* the layer reads its tensors on the host */
     int fail_a = 1, fail_b = 0;
     rp_model *a = tripwire_model(&fail_a), *b = tripwire_model(&fail_b);
-    rp_optimizer *opt = adamw();
     TS_ERR(train_call(a, 4), RP_ERR_CALLBACK, "tripwire");
     assert_gradients_zero(a);
     fail_a = 0;
-    TS_OK(train_call(a, 5));
-    TS_OK(rp_step(a, opt, 0));
-    TS_OK(train_call(b, 5));
-    TS_OK(rp_step(b, opt, 0));
-    ts_params *wa = ts_masters(a), *wb = ts_masters(b);
-    ts_assert_params_equal(wa, wb);
-    ts_params_free(wa);
-    ts_params_free(wb);
-    rp_optimizer_destroy(opt);
+    step_both_and_compare(a, b, 5);
     rp_model_destroy(a);
     rp_model_destroy(b);
 }

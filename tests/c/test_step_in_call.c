@@ -272,12 +272,6 @@ static void assert_next_call_steps_like_a_fresh_model(rp_model *m, uint64_t seed
     rp_model_destroy(fresh);
 }
 
-static void assert_gradients_zero(const ts_params *grads) {
-    for (size_t p = 0; p < grads->count; ++p)
-        for (int64_t i = 0; i < grads->numel[p]; ++i)
-            assert_true(grads->data[p][i] == 0.0f);
-}
-
 static void a_nan_loss_leaves_the_weights_alone(void **state) {
     (void)state;
     rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 29);
@@ -343,7 +337,7 @@ static void a_call_failing_before_any_final_gradient_leaves_no_trace(void **stat
     TS_OK(rp_synchronize(m));
     ts_params *after = ts_masters(m), *grads = ts_grads(m);
     ts_assert_params_equal(after, before);
-    assert_gradients_zero(grads);
+    ts_assert_all_zero(grads);
     /* Still usable, and still stepping inside its calls: like a fresh model's explicit step. */
     assert_next_call_steps_like_a_fresh_model(m, 31, &b, mse, cfg, opt);
     ts_params_free(before);
@@ -359,54 +353,8 @@ static void a_call_failing_before_any_final_gradient_leaves_no_trace(void **stat
 
 /* ---- a call failing in a backward stage, after the deeper stages were updated ---------------- */
 
-/* A parameter-free caller layer that passes its input through and, when *fail is set, fails in
- * the backward of the call's last microbatch: with it in the first stage, every deeper stage has
- * back-propagated its last microbatch by then (the failing backward needs that gradient), so
- * their gradients are final, and the first stage's never is. (Failing on an earlier microbatch
- * would race the deeper stages' later microbatches.) CPU devices only (the callbacks read the
- * tensors on the host). */
-static DLManagedTensor *copy_matrix(const DLTensor *t) {
-    const int64_t n = ts_numel(t);
-    float *values = malloc(sizeof(float) * (size_t)n);
-    ts_read_f32(t, values);
-    DLManagedTensor *out = ts_f32(t->ndim, t->shape, values);
-    free(values);
-    return out;
-}
-
-static int32_t pass_forward(rp_tensor_list *out, void **inout_context, const rp_layer_call *call,
-                            const DLManagedTensor *const *inputs, size_t n_inputs, void *ud) {
-    (void)call;
-    (void)ud;
-    (void)n_inputs;
-    if (inout_context)
-        *inout_context = NULL;
-    return rp_tensor_list_push(out, copy_matrix(&inputs[0]->dl_tensor)) == RP_OK ? 0 : 1;
-}
-
-static int32_t pass_backward(rp_tensor_list *in_grads, rp_tensor_list *param_grads, void *ctx,
-                             const rp_layer_call *call, const DLManagedTensor *const *out_grads,
-                             size_t n_outputs, void *ud) {
-    (void)param_grads;
-    (void)ctx;
-    (void)n_outputs;
-    int32_t microbatch = -1;
-    rp_layer_call_info(NULL, NULL, NULL, NULL, NULL, &microbatch, NULL, call);
-    if (*(const int *)ud && microbatch == 1) /* the last of ts_config(2, 0)'s two */
-        return 5;
-    return rp_tensor_list_push(in_grads, copy_matrix(&out_grads[0]->dl_tensor)) == RP_OK ? 0 : 1;
-}
-
-static const char *TRIPWIRE_SPEC =
-    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"caller\", \"def\": 0},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
-
 static rp_model *tripwire_model(int *fail_flag) {
-    rp_layer_def *def = NULL;
-    TS_OK(rp_layer_def_create(&def, "c:tripwire", pass_forward, pass_backward, NULL, fail_flag));
+    rp_layer_def *def = ts_tripwire_def(fail_flag);
     rp_model_options *o = NULL;
     TS_OK(rp_model_options_create(&o));
     TS_OK(rp_model_options_set_seed(o, 37));
@@ -415,7 +363,7 @@ static rp_model *tripwire_model(int *fail_flag) {
     const int32_t plan[4] = {3, 2, 2, 1};
     TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
     rp_model *m = NULL;
-    TS_OK(rp_model_create_with_layers(&m, TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1,
+    TS_OK(rp_model_create_with_layers(&m, TS_TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1,
                                       o));
     rp_model_options_destroy(o);
     rp_layer_def_destroy(def);
@@ -460,7 +408,7 @@ static void a_call_failing_in_a_backward_stage_keeps_the_final_updates_only(void
         }
     }
     assert_int_equal(first_stage_params, 2);
-    assert_gradients_zero(grads);
+    ts_assert_all_zero(grads);
     /* Usable: with the tripwire off, the next call steps as before. */
     fail_a = 0;
     TS_OK(train_call(&l, a, &bt, loss, cfg));

@@ -509,3 +509,78 @@ int ts_dir_entries(const char *dir) {
     closedir(d);
     return n;
 }
+
+void ts_assert_all_zero(const ts_params *p) {
+    for (size_t k = 0; k < p->count; ++k)
+        for (int64_t i = 0; i < p->numel[k]; ++i)
+            if (p->data[k][i] != 0.0f) {
+                print_error("%s[%lld] = %g, want 0\n", p->names[k], (long long)i, p->data[k][i]);
+                fail();
+            }
+}
+
+/* ---- the tripwire layer -------------------------------------------------------------------- */
+
+const char *const TS_TRIPWIRE_SPEC =
+    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"caller\", \"def\": 0},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
+
+/* An fp32 copy of a host tensor of fp32 or bf16 values, through its strides if any. */
+static DLManagedTensor *copy_as_f32(const DLTensor *t) {
+    const int64_t n = ts_numel(t);
+    float *values = malloc(sizeof(float) * (size_t)(n ? n : 1));
+    const char *base = (const char *)t->data + t->byte_offset;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t offset = i; /* element i in row-major order */
+        if (t->strides) {
+            offset = 0;
+            for (int64_t d = t->ndim - 1, rest = i; d >= 0; --d) {
+                offset += (rest % t->shape[d]) * t->strides[d];
+                rest /= t->shape[d];
+            }
+        }
+        if (t->dtype.bits == 16) { /* bf16: the high half of an fp32 */
+            const uint32_t bits = (uint32_t)((const uint16_t *)base)[offset] << 16;
+            memcpy(&values[i], &bits, sizeof bits);
+        } else {
+            values[i] = ((const float *)base)[offset];
+        }
+    }
+    DLManagedTensor *out = ts_f32(t->ndim, t->shape, values);
+    free(values);
+    return out;
+}
+
+static int32_t tripwire_forward(rp_tensor_list *out, void **inout_context,
+                                const rp_layer_call *call, const DLManagedTensor *const *inputs,
+                                size_t n_inputs, void *ud) {
+    (void)call;
+    (void)ud;
+    (void)n_inputs;
+    if (inout_context)
+        *inout_context = NULL;
+    return rp_tensor_list_push(out, copy_as_f32(&inputs[0]->dl_tensor)) == RP_OK ? 0 : 1;
+}
+
+static int32_t tripwire_backward(rp_tensor_list *in_grads, rp_tensor_list *param_grads, void *ctx,
+                                 const rp_layer_call *call, const DLManagedTensor *const *out_grads,
+                                 size_t n_outputs, void *ud) {
+    (void)param_grads;
+    (void)ctx;
+    (void)n_outputs;
+    int32_t microbatch = -1;
+    rp_layer_call_info(NULL, NULL, NULL, NULL, NULL, &microbatch, NULL, call);
+    if (*(const int *)ud && microbatch == 1)
+        return 5;
+    return rp_tensor_list_push(in_grads, copy_as_f32(&out_grads[0]->dl_tensor)) == RP_OK ? 0 : 1;
+}
+
+rp_layer_def *ts_tripwire_def(int *fail) {
+    rp_layer_def *def = NULL;
+    TS_OK(rp_layer_def_create(&def, "c:tripwire", tripwire_forward, tripwire_backward, NULL,
+                              fail));
+    return def;
+}

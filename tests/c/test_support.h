@@ -98,6 +98,8 @@ ts_params *ts_grads(rp_model *model);
 void ts_params_free(ts_params *p);
 /** Assert bitwise equality of two snapshots. */
 void ts_assert_params_equal(const ts_params *a, const ts_params *b);
+/** Assert every value of a snapshot is zero (e.g. gradients), naming the first that is not. */
+void ts_assert_all_zero(const ts_params *p);
 /** Norm-based relative error ||a - b|| / max(||b||, floor), in double. */
 double ts_rel_err(const float *a, const float *b, int64_t n, double floor);
 /** Assert per-parameter ts_rel_err(a, b) <= tol (floor 1e-6); `what` names the quantity. */
@@ -126,6 +128,20 @@ ts_params *ts_ref_params(const ref_model *ref, int grads);
  */
 void ts_assert_trains_like_reference(rp_model *model, const char *spec, int64_t in_features,
                                      int64_t out_features);
+
+/* ---- a caller layer that fails on demand ------------------------------------------------- */
+
+/** "c:tripwire": a parameter-free caller layer that passes its input through (fp32 or bf16 in,
+ * fp32 out; the engine converts it back to the model dtype) and, while *fail is nonzero, fails
+ * (status 5) in the backward of microbatch 1, the last of ts_config(2, 0)'s two. In the first
+ * stage every deeper stage has back-propagated its last microbatch by then (the failing backward
+ * needs that gradient), so their gradients are final and the first stage's never is. (Failing
+ * on an earlier microbatch would race the deeper stages' later microbatches.) CPU devices only:
+ * the callbacks read the tensors on the host. The caller destroys the definition. */
+rp_layer_def *ts_tripwire_def(int *fail);
+/** A model spec with the tripwire (caller def 0) third: linear 6 -> 24, tanh, tripwire, then
+ * linear 24 -> 24, tanh, linear 24 -> 24, tanh, linear 24 -> 3 (8 layers). */
+extern const char *const TS_TRIPWIRE_SPEC;
 
 /** A fresh empty directory under /tmp (caller frees the string; ts_rmdir removes it). */
 char *ts_tempdir(void);
