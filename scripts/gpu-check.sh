@@ -11,7 +11,7 @@
 # wheel's place in python3's site-packages. RP_GPU_SANITIZE=0 skips that step;
 # RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
 # 1800) bounds each tool's run; RP_GPU_SANITIZE_TOOLS (default "memcheck racecheck") picks the
-# tools. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu,
+# tools; RP_GPU_SANITIZE_API_ERRORS (default explicit) is memcheck's --report-api-errors. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu,
 # python_lora_gpu, data_parallel_gpu), leaves steps out, so that one device call can spend its
 # time on the sanitizer alone.
 # RP_GPU_SANITIZE_EXCLUDE, a compute-sanitizer kernel filter (e.g. "regex=gemm|nvjet"), leaves
@@ -129,6 +129,12 @@ else
     [ "$tool" = racecheck ] && include=${include:-"regex=rp::kernels|2rp7kernels"}
     filters=(${RP_GPU_SANITIZE_EXCLUDE:+--kernel-name-exclude "$RP_GPU_SANITIZE_EXCLUDE"}
       ${include:+--kernel-name "$include"})
+    # memcheck's default (extended) also counts the driver's log messages as errors; cuDNN's
+    # precompiled engines load modules whose kernel names repeat ("Duplicate entry kernels named
+    # cutlass__5x_cudnn..." in a convolution backward), which it handles itself. explicit still
+    # reports every CUDA API call that returns an error. RP_GPU_SANITIZE_API_ERRORS=extended
+    # (or all) brings them back.
+    [ "$tool" = memcheck ] && filters+=(--report-api-errors "${RP_GPU_SANITIZE_API_ERRORS:-explicit}")
     # The known-bad control first: the tool must report it (its exit code 1).
     case $tool in racecheck) fault=race ;; *) fault=oob ;; esac
     "$cs" --tool "$tool" --error-exitcode 1 "${filters[@]}" --log-file "$out/control_$tool.txt" \
