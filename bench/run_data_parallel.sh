@@ -5,7 +5,8 @@
 # MASTER_ADDR, MASTER_PORT), every run with the same flags: shape $DP_SHAPE (default qwen3-1.7b),
 # 8 x 4096 tokens per process, bf16, plus $DP_ARGS (e.g. "--host-memory saving --step-in-call on").
 # One JSON line per run in $OUT/data_parallel.jsonl, then tokens/s per rank against the single
-# process (the issue's ratio; its target is 0.9 or more).
+# process (the issue's ratio; its target is 0.9 or more); the logs (and traces) in
+# $OUT/details.tgz. DP_VARIANTS (see below) runs the ranks again under other environments.
 #
 #   OUT=/tmp/out DP_ARGS="--host-memory saving --step-in-call on" bash bench/run_data_parallel.sh
 #
@@ -46,18 +47,34 @@ echo "[data_parallel] one process"
 trace_for single
 timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --label "single" 2> "$out/single.log" |
   tail -1 >> "$out/data_parallel.jsonl"
-port=$((29500 + RANDOM % 1000))
-echo "[data_parallel] $ranks ranks"
-pids=()
-for ((r = 0; r < ranks; r++)); do
-  trace_for "rank$r"
-  CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 \
-    MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --data-parallel env \
-    --label "rank $r of $ranks" 2> "$out/rank$r.log" > "$out/rank$r.out" &
-  pids+=($!)
+# The ranks, once per variant: "" (as the process was started), then each entry of $DP_VARIANTS,
+# ';'-separated, each a list of environment assignments for the ranks (e.g.
+# DP_VARIANTS="NCCL_CTA_POLICY=1;NCCL_MAX_CTAS=4": NCCL's kernels beside the compute), so one
+# device call compares them against the same single process.
+IFS=';' read -r -a variants <<< ";${DP_VARIANTS:-}"
+for ((v = 0; v < ${#variants[@]}; v++)); do
+  # shellcheck disable=SC2206
+  assignments=(${variants[v]})
+  [ "$v" -gt 0 ] && [ ${#assignments[@]} -eq 0 ] && continue
+  tag=""
+  [ "$v" -gt 0 ] && tag=$v
+  suffix=${variants[v]:+ [${variants[v]}]}
+  port=$((29500 + RANDOM % 1000))
+  echo "[data_parallel] $ranks ranks${suffix}"
+  pids=()
+  for ((r = 0; r < ranks; r++)); do
+    trace_for "rank$r${tag:+_v$tag}"
+    env "${assignments[@]}" CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks \
+      MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" \
+      "${trace_args[@]}" --data-parallel env --label "rank $r of $ranks$suffix" \
+      2> "$out/rank$r${tag:+_v$tag}.log" > "$out/rank$r${tag:+_v$tag}.out" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for ((r = 0; r < ranks; r++)); do
+    tail -1 "$out/rank$r${tag:+_v$tag}.out" >> "$out/data_parallel.jsonl"
+  done
 done
-for p in "${pids[@]}"; do wait "$p"; done
-for ((r = 0; r < ranks; r++)); do tail -1 "$out/rank$r.out" >> "$out/data_parallel.jsonl"; done
 for t in "$out"/trace_*.json; do
   [ -f "$t" ] && [[ $t != *.summary.json ]] &&
     python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
@@ -67,10 +84,18 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 single = next((r for r in rows if r.get("label") == "single"), None)
 base = single.get("tokens_per_s") if single else None
-print("run              tokens/s  ratio  iteration  fb alone  step alone  hidden  status")
+# window: the call's trace (first to last device work); outside: the call's time beyond it
+# (host work after the pipeline); idle: device 0's compute idle share of its window.
+print("tokens/s  ratio  iteration  fb alone  step alone  hidden  window  outside  idle   status  run")
 for r in rows:
     t = r.get("tokens_per_s")
-    print("%-15s %9s  %5s  %9s  %8s  %10s  %6s  %s" % (
-        r.get("label"), t, "%.3f" % (t / base) if t and base else "-", r.get("iter_ms"),
-        r.get("fb_only_ms"), r.get("opt_step_ms"), r.get("opt_hidden_fraction"), r.get("status")))
+    dev = (r.get("trace_devices") or [{}])[0]
+    print("%8s  %5s  %9s  %8s  %10s  %6s  %6s  %7s  %5s  %-6s  %s" % (
+        t, "%.3f" % (t / base) if t and base else "-", r.get("iter_ms"), r.get("fb_only_ms"),
+        r.get("opt_step_ms"), r.get("opt_hidden_fraction"), r.get("trace_window_ms"),
+        r.get("fb_outside_trace_ms"), dev.get("compute_idle_fraction"), r.get("status"),
+        r.get("label")))
 PY
+# Logs, traces and their digests in one archive (a device call brings back only a few files).
+( cd "$out" && shopt -s nullglob && files=(*.log rank*.out trace_*.json) &&
+  [ ${#files[@]} -gt 0 ] && tar czf details.tgz "${files[@]}" && rm -f "${files[@]}" )
