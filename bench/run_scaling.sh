@@ -4,7 +4,7 @@
 # $SCALING_SHAPE (default qwen3-1.7b), batch 8 x 4096, bf16, stage grain, 8 microbatches (>= GPUs
 # + 1 up to 7 GPUs), default memory cap, no baseline, plus $SCALING_ARGS (e.g. the 8B needs
 # "--host-memory saving --pin register"; fewer steps: "--warmup 1 --steps 2"). One JSON line per
-# count in $OUT/scaling.jsonl, then a table.
+# count (and plan) in $OUT/scaling.jsonl, then a table; the logs in $OUT/details.tgz.
 #
 #   OUT=/tmp/out SCALING_GPUS="1 2 4" BENCH_COMMIT=<sha> bash bench/run_scaling.sh
 set -uo pipefail
@@ -24,19 +24,30 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/conf
   cmake --build "$build" -j"$(nproc)" --target train_bench > "$out/build.log" 2>&1 ||
   { tail -20 "$out/build.log"; echo "SUMMARY: build failed"; exit 1; }
 : > "$out/scaling.jsonl"
+# SCALING_PLANS: stage plans to run on each count above one GPU besides the automatic one
+# (space-separated, each a comma list of layers per stage covering every unit of the model, e.g.
+# "8,8,8,7 3,5,12,11" for the Qwen3-1.7B shape's 31), to compare the planner's choice with them.
+# RP_LOG_LEVEL=info puts the re-plan's line (measured stage times, the fused call modelled
+# before and after) in each run's log.
 for g in ${SCALING_GPUS:-1 2}; do
-  echo "[scaling] $g GPU(s)"
-  timeout 300 "$build/bench/train_bench" --shape "${SCALING_SHAPE:-qwen3-1.7b}" --batch 8 \
-    --seq 4096 --microbatches 8 --grain stage --dtype bf16 --devices cuda --num-devices "$g" \
-    --warmup 3 --steps 6 --fb-only-steps 1 --opt-steps 1 --baseline off \
-    ${SCALING_ARGS:-} --label "$label gpus=$g" \
-    2> "$out/scaling_$g.log" | tail -1 >> "$out/scaling.jsonl"
+  plans=(auto)
+  [ "$g" -gt 1 ] && plans+=(${SCALING_PLANS:-})
+  for plan in "${plans[@]}"; do
+    echo "[scaling] $g GPU(s), plan $plan"
+    log=$out/scaling_$g${plan/#auto/}.log
+    RP_LOG_LEVEL=${RP_LOG_LEVEL:-info} timeout 300 "$build/bench/train_bench" \
+      --shape "${SCALING_SHAPE:-qwen3-1.7b}" --batch 8 \
+      --seq 4096 --microbatches 8 --grain stage --dtype bf16 --devices cuda --num-devices "$g" \
+      --warmup 3 --steps 6 --fb-only-steps 1 --opt-steps 1 --baseline off --plan "$plan" \
+      ${SCALING_ARGS:-} --label "$label gpus=$g plan=$plan" \
+      2> "${log//,/-}" | tail -1 >> "$out/scaling.jsonl"
+  done
 done
 python3 - "$out/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 base = next((r["tokens_per_s"] for r in rows if r.get("num_devices") == 1 and r.get("tokens_per_s")), None)
-print("gpus  tokens/s  speedup  efficiency  peak GiB  status")
+print("gpus  tokens/s  speedup  efficiency  peak GiB  status  plan (asked: used)  fb alone  window  idle per device")
 for r in rows:
     t = r.get("tokens_per_s")
     n = r.get("num_devices") or 0
@@ -44,5 +55,8 @@ for r in rows:
     print("%4s  %8s  %7s  %10s  %8s  %s" % (n, t, "%.2f" % s if s else "-",
           "%.2f" % (s / n) if s and n else "-",
           "%.1f" % (r["peak_gpu_bytes"] / 2**30) if r.get("peak_gpu_bytes") else "-",
-          r.get("status"), ))
+          r.get("status"), ), " %s: %s" % (r.get("plan"), r.get("pcie_plan")), r.get("fb_only_ms"),
+          r.get("trace_window_ms"), [d.get("compute_idle_fraction") for d in r.get("trace_devices") or []])
 PY
+( cd "$out" && shopt -s nullglob && files=(*.log) && [ ${#files[@]} -gt 0 ] &&
+  tar czf details.tgz "${files[@]}" && rm -f "${files[@]}" )
