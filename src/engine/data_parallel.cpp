@@ -19,6 +19,8 @@
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include "engine/collective_watch.h"
 #endif
 
 namespace rp {
@@ -81,10 +83,7 @@ struct DataParallel::Group {
 #ifdef RP_HAVE_C10D_NCCL
     std::vector<c10::intrusive_ptr<c10d::ProcessGroupNCCL>> nccl; // per local GPU index
     std::vector<c10::cuda::CUDAStream> after_nccl; // per local GPU: waits for NCCL's results
-    std::mutex mutex; // the device threads of one rank enqueue concurrently
-    std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
-    std::vector<std::chrono::steady_clock::time_point> started; // of each in_flight entry
-    std::chrono::steady_clock::time_point last_scan{}; // of in_flight, by the wait watch
+    CollectiveWatch in_flight; // the call's gradient collectives not yet seen to complete
     std::once_flag aborted;
 #endif
 };
@@ -256,12 +255,9 @@ std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &flat,
     } catch (const std::exception &e) {
         fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") + e.what());
     }
-    std::lock_guard<std::mutex> lock(g.mutex);
-    const auto now = std::chrono::steady_clock::now();
-    for (const auto &w : {w1, w2}) {
-        g.in_flight.push_back(w);
-        g.started.push_back(now);
-    }
+    const auto now = CollectiveWatch::Clock::now();
+    for (const auto &w : {w1, w2})
+        g.in_flight.add(w, now);
     return ready;
 }
 
@@ -269,50 +265,8 @@ void DataParallel::watch_device_collectives() {
     const std::string broken = why_broken();
     if (!broken.empty())
         fail(ErrorKind::Io, "data parallelism: rank " + std::to_string(rank_) + ": " + broken);
-    // Every thread that waits for a GPU calls this between 200 us sleeps, while a call has about
-    // two collectives in flight per gradient group (a hundred for Qwen3-1.7B): scanning them all
-    // (an event query each) every time only competes with the threads that launch the kernels.
-    // So completed collectives leave the list, and the rest are scanned at most every
-    // kScanInterval, far below any timeout.
-    constexpr auto kScanInterval = std::chrono::milliseconds(2);
-    std::string failure;
-    {
-        std::lock_guard<std::mutex> lock(group_->mutex);
-        const auto now = std::chrono::steady_clock::now();
-        if (now - group_->last_scan < kScanInterval)
-            return;
-        group_->last_scan = now;
-        auto &works = group_->in_flight;
-        auto &started = group_->started;
-        size_t kept = 0;
-        for (size_t i = 0; i < works.size(); ++i) {
-            c10d::Work &w = *works[i];
-            std::string why;
-            try {
-                if (std::exception_ptr e = w.exception())
-                    std::rethrow_exception(e);
-                if (w.isCompleted()) {
-                    if (std::exception_ptr e = w.exception()) // failed as it completed
-                        std::rethrow_exception(e);
-                    continue; // done and without an exception: nothing left to watch
-                }
-                if (now - started[i] > std::chrono::milliseconds(timeout_ms_))
-                    why = "a gradient all-reduce on the GPUs did not complete within " +
-                          std::to_string(timeout_ms_) + " ms";
-            } catch (const std::exception &e) {
-                why = std::string("a gradient all-reduce on the GPUs failed: ") + e.what();
-            }
-            if (failure.empty())
-                failure = why;
-            if (kept != i) {
-                works[kept] = std::move(works[i]);
-                started[kept] = started[i];
-            }
-            ++kept;
-        }
-        works.resize(kept);
-        started.resize(kept);
-    }
+    const std::string failure = group_->in_flight.scan(CollectiveWatch::Clock::now(),
+                                                       std::chrono::milliseconds(timeout_ms_));
     if (failure.empty())
         return;
     abort_device_groups();
@@ -333,12 +287,7 @@ void DataParallel::abort_device_groups() {
 }
 
 void DataParallel::finish_device_collectives(bool report_failure) {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    {
-        std::lock_guard<std::mutex> lock(group_->mutex);
-        works.swap(group_->in_flight);
-        group_->started.clear();
-    }
+    const std::vector<c10::intrusive_ptr<c10d::Work>> works = group_->in_flight.take_all();
     if (!report_failure)
         return;
     for (auto &w : works)
