@@ -11,7 +11,8 @@
 # wheel's place in python3's site-packages. RP_GPU_SANITIZE=0 skips that step;
 # RP_GPU_SANITIZE_TESTS (a ctest -R regex) narrows it; RP_GPU_SANITIZE_TIMEOUT (seconds, default
 # 1800) bounds each tool's run; RP_GPU_SANITIZE_TOOLS (default "memcheck racecheck") picks the
-# tools; RP_GPU_SANITIZE_API_ERRORS (default explicit) is memcheck's --report-api-errors. RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu,
+# tools; RP_GPU_SANITIZE_API_ERRORS (default explicit) is memcheck's --report-api-errors.
+# RP_GPU_SKIP, a comma-separated list of step names (gpu_tests, cpu_tests, example_gpu,
 # python_lora_gpu, data_parallel_gpu), leaves steps out, so that one device call can spend its
 # time on the sanitizer alone.
 # RP_GPU_SANITIZE_EXCLUDE, a compute-sanitizer kernel filter (e.g. "regex=gemm|nvjet"), leaves

@@ -4,8 +4,7 @@ namespace rp {
 
 void CollectiveWatch::add(c10::intrusive_ptr<c10d::Work> work, Clock::time_point started) {
     std::lock_guard<std::mutex> lock(mutex_);
-    works_.push_back(std::move(work));
-    started_.push_back(started);
+    entries_.push_back({std::move(work), started});
 }
 
 std::string CollectiveWatch::scan(Clock::time_point now, std::chrono::milliseconds timeout) {
@@ -15,18 +14,16 @@ std::string CollectiveWatch::scan(Clock::time_point now, std::chrono::millisecon
     last_scan_ = now;
     std::string failure;
     size_t kept = 0;
-    for (size_t i = 0; i < works_.size(); ++i) {
-        c10d::Work &w = *works_[i];
+    for (Entry &entry : entries_) {
         std::string why;
         try {
-            if (std::exception_ptr e = w.exception())
+            // Completion first: a collective that failed as it completed is reported, not dropped.
+            const bool completed = entry.work->isCompleted();
+            if (std::exception_ptr e = entry.work->exception())
                 std::rethrow_exception(e);
-            if (w.isCompleted()) {
-                if (std::exception_ptr e = w.exception()) // failed as it completed
-                    std::rethrow_exception(e);
+            if (completed)
                 continue; // done without an error: nothing left to watch
-            }
-            if (now - started_[i] > timeout)
+            if (now - entry.started > timeout)
                 why = "a gradient all-reduce on the GPUs did not complete within " +
                       std::to_string(timeout.count()) + " ms";
         } catch (const std::exception &e) {
@@ -34,28 +31,26 @@ std::string CollectiveWatch::scan(Clock::time_point now, std::chrono::millisecon
         }
         if (failure.empty())
             failure = why;
-        if (kept != i) {
-            works_[kept] = std::move(works_[i]);
-            started_[kept] = started_[i];
-        }
+        if (&entries_[kept] != &entry)
+            entries_[kept] = std::move(entry);
         ++kept;
     }
-    works_.resize(kept);
-    started_.resize(kept);
+    entries_.resize(kept);
     return failure;
 }
 
 std::vector<c10::intrusive_ptr<c10d::Work>> CollectiveWatch::take_all() {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    works.swap(works_);
-    started_.clear();
+    for (Entry &entry : entries_)
+        works.push_back(std::move(entry.work));
+    entries_.clear();
     return works;
 }
 
 size_t CollectiveWatch::size() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return works_.size();
+    return entries_.size();
 }
 
 } // namespace rp

@@ -32,9 +32,12 @@ class CollectiveWatch {
     size_t size() const;
 
   private:
+    struct Entry {
+        c10::intrusive_ptr<c10d::Work> work;
+        Clock::time_point started;
+    };
     mutable std::mutex mutex_; // the device threads of one rank add concurrently
-    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-    std::vector<Clock::time_point> started_; // of each entry of works_
+    std::vector<Entry> entries_;
     Clock::time_point last_scan_{};
 };
 
