@@ -19,6 +19,8 @@
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include "engine/collective_watch.h"
 #endif
 
 namespace rp {
@@ -81,9 +83,7 @@ struct DataParallel::Group {
 #ifdef RP_HAVE_C10D_NCCL
     std::vector<c10::intrusive_ptr<c10d::ProcessGroupNCCL>> nccl; // per local GPU index
     std::vector<c10::cuda::CUDAStream> after_nccl; // per local GPU: waits for NCCL's results
-    std::mutex mutex; // the device threads of one rank enqueue concurrently
-    std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
-    std::vector<std::chrono::steady_clock::time_point> started; // of each in_flight entry
+    CollectiveWatch in_flight; // the call's gradient collectives not yet seen to complete
     std::once_flag aborted;
 #endif
 };
@@ -255,12 +255,9 @@ std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &flat,
     } catch (const std::exception &e) {
         fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") + e.what());
     }
-    std::lock_guard<std::mutex> lock(g.mutex);
-    const auto now = std::chrono::steady_clock::now();
-    for (const auto &w : {w1, w2}) {
-        g.in_flight.push_back(w);
-        g.started.push_back(now);
-    }
+    const auto now = CollectiveWatch::Clock::now();
+    for (const auto &w : {w1, w2})
+        g.in_flight.add(w, now);
     return ready;
 }
 
@@ -268,24 +265,8 @@ void DataParallel::watch_device_collectives() {
     const std::string broken = why_broken();
     if (!broken.empty())
         fail(ErrorKind::Io, "data parallelism: rank " + std::to_string(rank_) + ": " + broken);
-    std::string failure;
-    {
-        std::lock_guard<std::mutex> lock(group_->mutex);
-        const auto now = std::chrono::steady_clock::now();
-        for (size_t i = 0; i < group_->in_flight.size() && failure.empty(); ++i) {
-            c10d::Work &w = *group_->in_flight[i];
-            try {
-                if (std::exception_ptr e = w.exception())
-                    std::rethrow_exception(e);
-                if (!w.isCompleted() && now - group_->started[i] >
-                                            std::chrono::milliseconds(timeout_ms_))
-                    failure = "a gradient all-reduce on the GPUs did not complete within " +
-                              std::to_string(timeout_ms_) + " ms";
-            } catch (const std::exception &e) {
-                failure = std::string("a gradient all-reduce on the GPUs failed: ") + e.what();
-            }
-        }
-    }
+    const std::string failure = group_->in_flight.scan(CollectiveWatch::Clock::now(),
+                                                       std::chrono::milliseconds(timeout_ms_));
     if (failure.empty())
         return;
     abort_device_groups();
@@ -306,12 +287,7 @@ void DataParallel::abort_device_groups() {
 }
 
 void DataParallel::finish_device_collectives(bool report_failure) {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    {
-        std::lock_guard<std::mutex> lock(group_->mutex);
-        works.swap(group_->in_flight);
-        group_->started.clear();
-    }
+    const std::vector<c10::intrusive_ptr<c10d::Work>> works = group_->in_flight.take_all();
     if (!report_failure)
         return;
     for (auto &w : works)
