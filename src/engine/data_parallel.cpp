@@ -91,6 +91,9 @@ struct DataParallel::Group {
 namespace {
 
 #ifdef RP_HAVE_C10D_NCCL
+// SMs a gradient all-reduce may take beside the pipeline's compute (see add_device_groups).
+constexpr int kGradientAllReduceMaxCTAs = 4;
+
 // One NCCL group per local GPU index, connected now, while every rank is known to be there (a
 // communicator or a connection set up at the first collective waits, without our timeout, for a
 // rank that may have died since: NCCL_RUNTIME_CONNECT=0 makes NCCL connect at set-up).
@@ -109,6 +112,18 @@ void add_device_groups(DataParallel::Group &g, const std::vector<at::Device> &de
     for (size_t d = 0; d < devices.size(); ++d) {
         auto options = c10d::ProcessGroupNCCL::Options::create();
         options->timeout = timeout;
+#ifdef NCCL_HAS_CONFIG
+        // The gradient all-reduces run while the pipeline computes on the same GPU. NCCL's
+        // default gives each one many CTAs (one SM each), which spin on the faster rank until the
+        // slower one reaches the same gradient group, taking SMs from the compute. A few CTAs still
+        // move a gradient group over NVLink well within the backward that hides it. Measured with
+        // Qwen3-1.7B, 8 x 4096 per rank on two H100s (bench/RESULTS.md round 13): tokens/s per rank
+        // 0.906 of one process with NCCL's default, 0.931 with NCCL_CTA_POLICY=1, 0.943 with at
+        // most 4 CTAs. $NCCL_MIN_CTAS / $NCCL_MAX_CTAS still win: NCCL lets its environment
+        // override a communicator's config.
+        options->config.minCTAs = 1;
+        options->config.maxCTAs = kGradientAllReduceMaxCTAs;
+#endif
         auto store = c10::make_intrusive<c10d::PrefixStore>("nccl/" + std::to_string(d), g.store);
         auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, options);
         pg->setBoundDeviceId(devices[d]);
