@@ -2,7 +2,8 @@
 # Data parallelism on one host (issue 19's measurement): builds train_bench like run_scaling.sh,
 # runs it as one process on one device, then as $DP_RANKS ranks (default 2) of one process each,
 # rank r on GPU r (CUDA_VISIBLE_DEVICES) with torchrun's environment (RANK, WORLD_SIZE,
-# MASTER_ADDR, MASTER_PORT), every run with the same flags: shape $DP_SHAPE (default qwen3-1.7b),
+# LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; not torchrun's OMP_NUM_THREADS=1, a
+# variant can add it), every run with the same flags: shape $DP_SHAPE (default qwen3-1.7b),
 # 8 x 4096 tokens per process, bf16, plus $DP_ARGS (e.g. "--host-memory saving --step-in-call on").
 # One JSON line per run in $OUT/data_parallel.jsonl, then tokens/s per rank against the single
 # process (the issue's ratio; its target is 0.9 or more); the logs (and traces) in
@@ -65,7 +66,7 @@ for ((v = 0; v < ${#variants[@]}; v++)); do
   for ((r = 0; r < ranks; r++)); do
     trace_for "rank$r${tag:+_v$tag}"
     env "${assignments[@]}" CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks \
-      MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" \
+      LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" \
       "${trace_args[@]}" --data-parallel env --label "rank $r of $ranks$suffix" \
       2> "$out/rank$r${tag:+_v$tag}.log" > "$out/rank$r${tag:+_v$tag}.out" &
     pids+=($!)

@@ -1,8 +1,12 @@
 #include "optim/step_runner.h"
 
 #include <cstdlib>
+#include <string>
 
 #include <omp.h>
+
+#include "base/log.h"
+#include "optim/optimizer_threads.h"
 
 namespace rp {
 
@@ -38,14 +42,15 @@ std::exception_ptr StepRunner::take_error() {
 }
 
 void StepRunner::loop() {
-    // RP_OPTIMIZER_THREADS caps the threads of the optimizer's parallel loops (OpenMP teams
-    // started from this thread only). The CPU optimizer shares host memory bandwidth and cores
-    // with the weight uploads, the gradient thread and the device workers' kernel launches.
-    if (const char *env = std::getenv("RP_OPTIMIZER_THREADS")) {
-        const int n = std::atoi(env);
-        if (n > 0)
-            omp_set_num_threads(n);
-    }
+    // The optimizer's parallel loops are OpenMP teams started from this thread only; their size
+    // is set here (optimizer_threads.h says how it is chosen). The CPU optimizer shares host
+    // memory bandwidth and cores with the weight uploads, the gradient thread and the device
+    // workers' kernel launches.
+    const int threads = optimizer_thread_count(std::getenv("RP_OPTIMIZER_THREADS"),
+                                               std::getenv("LOCAL_WORLD_SIZE"), available_cores(),
+                                               omp_get_max_threads());
+    omp_set_num_threads(threads);
+    log(LogLevel::Debug, "optimizer: " + std::to_string(threads) + " threads");
     for (;;) {
         std::function<void()> task;
         {
