@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "base/error.h"
+#include "base/host_threads.h"
 #include "engine/data_parallel.h"
 #include "optim/bf16_convert.h"
 
@@ -306,6 +307,8 @@ void GradAccumulator::reduce_one(std::unique_lock<std::mutex> &lock) {
 }
 
 void GradAccumulator::loop() {
+    // The accumulation's parallel loops are OpenMP teams of this thread (host_threads.h).
+    use_host_threads(nullptr);
     for (;;) {
         Item item;
         {

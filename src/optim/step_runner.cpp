@@ -3,10 +3,8 @@
 #include <cstdlib>
 #include <string>
 
-#include <omp.h>
-
+#include "base/host_threads.h"
 #include "base/log.h"
-#include "optim/optimizer_threads.h"
 
 namespace rp {
 
@@ -43,13 +41,10 @@ std::exception_ptr StepRunner::take_error() {
 
 void StepRunner::loop() {
     // The optimizer's parallel loops are OpenMP teams started from this thread only; their size
-    // is set here (optimizer_threads.h says how it is chosen). The CPU optimizer shares host
-    // memory bandwidth and cores with the weight uploads, the gradient thread and the device
-    // workers' kernel launches.
-    const int threads = optimizer_thread_count(std::getenv("RP_OPTIMIZER_THREADS"),
-                                               std::getenv("LOCAL_WORLD_SIZE"), available_cores(),
-                                               omp_get_max_threads());
-    omp_set_num_threads(threads);
+    // is set here (host_threads.h says how it is chosen). The CPU optimizer shares host memory
+    // bandwidth and cores with the weight uploads, the gradient thread and the device workers'
+    // kernel launches.
+    const int threads = use_host_threads(std::getenv("RP_OPTIMIZER_THREADS"));
     log(LogLevel::Debug, "optimizer: " + std::to_string(threads) + " threads");
     for (;;) {
         std::function<void()> task;

@@ -1,5 +1,6 @@
-#include "optim/optimizer_threads.h"
+#include "base/host_threads.h"
 
+#include <omp.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -20,8 +21,8 @@ int positive_count(const char *text) {
 
 } // namespace
 
-int optimizer_thread_count(const char *requested, const char *local_world_size, int cores,
-                           int openmp_default) {
+int host_thread_count(const char *requested, const char *local_world_size, int cores,
+                      int openmp_default) {
     if (const int n = positive_count(requested))
         return n;
     const int local = positive_count(local_world_size);
@@ -35,6 +36,13 @@ int available_cores() {
     if (sched_getaffinity(0, sizeof(set), &set) == 0)
         return std::max(1, CPU_COUNT(&set));
     return std::max(1u, std::thread::hardware_concurrency());
+}
+
+int use_host_threads(const char *requested) {
+    const int n = host_thread_count(requested, std::getenv("LOCAL_WORLD_SIZE"), available_cores(),
+                                    omp_get_max_threads());
+    omp_set_num_threads(n);
+    return n;
 }
 
 } // namespace rp
