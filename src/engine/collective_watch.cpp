@@ -2,6 +2,10 @@
 
 namespace rp {
 
+std::string all_reduce_failed(const std::string &what) {
+    return "a gradient all-reduce on the GPUs failed: " + what;
+}
+
 void CollectiveWatch::add(c10::intrusive_ptr<c10d::Work> work, Clock::time_point started) {
     std::lock_guard<std::mutex> lock(mutex_);
     entries_.push_back({std::move(work), started});
@@ -27,7 +31,7 @@ std::string CollectiveWatch::scan(Clock::time_point now, std::chrono::millisecon
                 why = "a gradient all-reduce on the GPUs did not complete within " +
                       std::to_string(timeout.count()) + " ms";
         } catch (const std::exception &e) {
-            why = std::string("a gradient all-reduce on the GPUs failed: ") + e.what();
+            why = all_reduce_failed(e.what());
         }
         if (failure.empty())
             failure = why;

@@ -17,6 +17,10 @@
 
 namespace rp {
 
+// The message for a gradient all-reduce on the GPUs that failed with `what`, wherever the failure
+// is seen (launch, the watch, the call's end).
+std::string all_reduce_failed(const std::string &what);
+
 class CollectiveWatch {
   public:
     using Clock = std::chrono::steady_clock;

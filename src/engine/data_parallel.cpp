@@ -268,7 +268,7 @@ std::shared_ptr<void> DataParallel::average_on_device(const at::Tensor &flat,
         w2->wait();
         ready->record(g.after_nccl[d]);
     } catch (const std::exception &e) {
-        fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") + e.what());
+        fail_collective(all_reduce_failed(e.what()));
     }
     const auto now = CollectiveWatch::Clock::now();
     for (const auto &w : {w1, w2})
@@ -310,8 +310,7 @@ void DataParallel::finish_device_collectives(bool report_failure) {
             try {
                 std::rethrow_exception(e);
             } catch (const std::exception &err) {
-                fail_collective(std::string("a gradient all-reduce on the GPUs failed: ") +
-                                err.what());
+                fail_collective(all_reduce_failed(err.what()));
             }
         }
 }
