@@ -182,13 +182,8 @@ static void a_failed_call_gives_back_what_it_lent(void **state) {
 }
 
 int main(void) {
-    if (ts_device_kind() == RP_DEVICE_CUDA) {
-        int32_t gpus = 0;
-        if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
-            printf("no CUDA device visible: skipping\n");
-            return 77;
-        }
-    }
+    if (ts_gpu_missing())
+        return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(steps_read_lent_gradients_as_the_buffer_path_does),
         cmocka_unit_test(zero_grad_drops_lent_gradients),

@@ -645,6 +645,8 @@ static void mismatched_adapter_files_are_refused_by_name(void **state) {
 }
 
 int main(void) {
+    if (ts_gpu_missing())
+        return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(qwen3_all_linear_matches_reference),
         cmocka_unit_test(llama_tied_some_targets_match_reference),

@@ -394,13 +394,8 @@ static void failing_step_callback_leaves_the_model_usable(void **state) {
 }
 
 int main(void) {
-    if (ts_device_kind() == RP_DEVICE_CUDA) {
-        int32_t gpus = 0;
-        if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
-            printf("no CUDA device visible: skipping\n");
-            return 77;
-        }
-    }
+    if (ts_gpu_missing())
+        return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(state_bytes_match_the_layout),
         cmocka_unit_test(bad_mode_is_rejected),

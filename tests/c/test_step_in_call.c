@@ -426,13 +426,8 @@ static void a_call_failing_in_a_backward_stage_keeps_the_final_updates_only(void
 }
 
 int main(void) {
-    if (ts_device_kind() == RP_DEVICE_CUDA) {
-        int32_t gpus = 0;
-        if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
-            printf("no CUDA device visible: skipping\n");
-            return 77;
-        }
-    }
+    if (ts_gpu_missing())
+        return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(in_call_steps_give_bitwise_the_weights_of_explicit_steps),
         cmocka_unit_test(in_call_steps_follow_torch_adamw_within_bf16_moments),

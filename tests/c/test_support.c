@@ -210,6 +210,16 @@ int32_t ts_device_kind(void) {
     return (d && strcmp(d, "cuda") == 0) ? RP_DEVICE_CUDA : RP_DEVICE_CPU;
 }
 
+int ts_gpu_missing(void) {
+    if (ts_device_kind() != RP_DEVICE_CUDA)
+        return 0;
+    int32_t gpus = 0;
+    if (rp_cuda_device_count(&gpus) == RP_OK && gpus > 0)
+        return 0;
+    printf("no CUDA device visible: skipping\n");
+    return 1;
+}
+
 int32_t ts_devices(int32_t wanted) {
     if (ts_device_kind() != RP_DEVICE_CUDA)
         return wanted;

@@ -77,6 +77,9 @@ rp_model *ts_model(const char *spec, uint64_t seed, int32_t devices, const int32
 /** Device kind used by ts_model: RP_DEVICE_CPU, or RP_DEVICE_CUDA when the environment
  * variable RP_TEST_DEVICE is "cuda". */
 int32_t ts_device_kind(void);
+/** True, after printing why, when ts_device_kind() is RP_DEVICE_CUDA and no GPU is visible: a
+ * GPU test's main then returns 77, ctest's skip code. */
+int ts_gpu_missing(void);
 /** `wanted`, capped at the number of visible GPUs when ts_device_kind() is RP_DEVICE_CUDA. */
 int32_t ts_devices(int32_t wanted);
 

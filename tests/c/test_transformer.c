@@ -412,14 +412,8 @@ static void a_few_adamw_steps_lower_the_loss(void **state) {
 }
 
 int main(void) {
-    if (ts_device_kind() == RP_DEVICE_CUDA) {
-        int32_t gpus = 0;
-        TS_OK(rp_cuda_device_count(&gpus));
-        if (gpus == 0) {
-            printf("no CUDA device visible: skipping\n");
-            return 77;
-        }
-    }
+    if (ts_gpu_missing())
+        return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(qwen3_logits_loss_and_grads_match_reference),
         cmocka_unit_test(qwen3_tied_logits_loss_and_grads_match_reference),
