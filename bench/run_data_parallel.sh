@@ -7,7 +7,8 @@
 # 8 x 4096 tokens per process, bf16, plus $DP_ARGS (e.g. "--host-memory saving --step-in-call on").
 # One JSON line per run in $OUT/data_parallel.jsonl, then tokens/s per rank against the single
 # process (the issue's ratio; its target is 0.9 or more); the logs (and traces) in
-# $OUT/details.tgz. DP_VARIANTS (see below) runs the ranks again under other environments.
+# $OUT/details.tgz. DP_VARIANTS (see below) runs the ranks again under other environments;
+# DP_ROUNDS repeats the whole sequence.
 #
 #   OUT=/tmp/out DP_ARGS="--host-memory saving --step-in-call on" bash bench/run_data_parallel.sh
 #
@@ -44,36 +45,46 @@ trace_for() { # run name: trace_args = that run's --trace flag when DP_TRACE=1, 
   trace_args=()
   [ "${DP_TRACE:-0}" = 1 ] && trace_args=(--trace "$out/trace_$1.json")
 }
-echo "[data_parallel] one process"
-trace_for single
-timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --label "single" 2> "$out/single.log" |
-  tail -1 >> "$out/data_parallel.jsonl"
-# The ranks, once per variant: "" (as the process was started), then each entry of $DP_VARIANTS,
-# ';'-separated, each a list of environment assignments for the ranks (e.g.
-# DP_VARIANTS="NCCL_CTA_POLICY=1;NCCL_MAX_CTAS=4": NCCL's kernels beside the compute), so one
-# device call compares them against the same single process.
-IFS=';' read -r -a variants <<< ";${DP_VARIANTS:-}"
-for ((v = 0; v < ${#variants[@]}; v++)); do
-  # shellcheck disable=SC2206
-  assignments=(${variants[v]})
-  [ "$v" -gt 0 ] && [ ${#assignments[@]} -eq 0 ] && continue
-  tag=""
-  [ "$v" -gt 0 ] && tag=$v
-  suffix=${variants[v]:+ [${variants[v]}]}
-  port=$((29500 + RANDOM % 1000))
-  echo "[data_parallel] $ranks ranks${suffix}"
-  pids=()
-  for ((r = 0; r < ranks; r++)); do
-    trace_for "rank$r${tag:+_v$tag}"
-    env "${assignments[@]}" CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks \
-      LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 600 "${bench[@]}" "${extra[@]}" \
-      "${trace_args[@]}" --data-parallel env --label "rank $r of $ranks$suffix" \
-      2> "$out/rank$r${tag:+_v$tag}.log" > "$out/rank$r${tag:+_v$tag}.out" &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p"; done
-  for ((r = 0; r < ranks; r++)); do
-    tail -1 "$out/rank$r${tag:+_v$tag}.out" >> "$out/data_parallel.jsonl"
+# DP_ROUNDS=N (default 1) runs the whole sequence (one process, then the ranks and their
+# variants) N times, each round's ratios against its own one-process run: the first two-rank run
+# of a lease was the slowest whatever it ran (bench/RESULTS.md round 13), so a variant compared
+# with the plain ranks needs both in a later round too.
+rounds=${DP_ROUNDS:-1}
+for ((k = 1; k <= rounds; k++)); do
+  round_tag="" round_label=""
+  [ "$rounds" -gt 1 ] && round_tag=_r$k round_label=" (round $k)"
+  echo "[data_parallel] one process$round_label"
+  trace_for "single$round_tag"
+  timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --label "single$round_label" \
+    2> "$out/single$round_tag.log" | tail -1 >> "$out/data_parallel.jsonl"
+  # The ranks, once per variant: "" (as the process was started), then each entry of $DP_VARIANTS,
+  # ';'-separated, each a list of environment assignments for the ranks (e.g.
+  # DP_VARIANTS="NCCL_CTA_POLICY=1;NCCL_MAX_CTAS=4": NCCL's kernels beside the compute), so one
+  # device call compares them against the same single process.
+  IFS=';' read -r -a variants <<< ";${DP_VARIANTS:-}"
+  for ((v = 0; v < ${#variants[@]}; v++)); do
+    # shellcheck disable=SC2206
+    assignments=(${variants[v]})
+    [ "$v" -gt 0 ] && [ ${#assignments[@]} -eq 0 ] && continue
+    tag=$round_tag
+    [ "$v" -gt 0 ] && tag=${tag}_v$v
+    suffix=${variants[v]:+ [${variants[v]}]}
+    port=$((29500 + RANDOM % 1000))
+    echo "[data_parallel] $ranks ranks${suffix}$round_label"
+    pids=()
+    for ((r = 0; r < ranks; r++)); do
+      trace_for "rank$r$tag"
+      env "${assignments[@]}" CUDA_VISIBLE_DEVICES=$r RANK=$r LOCAL_RANK=$r WORLD_SIZE=$ranks \
+        LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        timeout 600 "${bench[@]}" "${extra[@]}" "${trace_args[@]}" --data-parallel env \
+        --label "rank $r of $ranks$suffix$round_label" \
+        2> "$out/rank$r$tag.log" > "$out/rank$r$tag.out" &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    for ((r = 0; r < ranks; r++)); do
+      tail -1 "$out/rank$r$tag.out" >> "$out/data_parallel.jsonl"
+    done
   done
 done
 for t in "$out"/trace_*.json; do
@@ -81,18 +92,22 @@ for t in "$out"/trace_*.json; do
     python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
 done
 python3 - "$out/data_parallel.jsonl" <<'PY'
-import json, sys
+import json, re, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-single = next((r for r in rows if r.get("label") == "single"), None)
-base = single.get("tokens_per_s") if single else None
+def round_of(r):  # " (round k)" at the end of the label when DP_ROUNDS > 1
+    m = re.search(r"\(round (\d+)\)$", r.get("label") or "")
+    return m.group(1) if m else None
+base = {round_of(r): r.get("tokens_per_s") for r in rows
+        if (r.get("label") or "").startswith("single")}
 # window: the call's trace (first to last device work); outside: the call's time beyond it
 # (host work after the pipeline); idle: device 0's compute idle share of its window.
 print("tokens/s  ratio  iteration  fb alone  step alone  hidden  window  outside  idle   status  run")
 for r in rows:
     t = r.get("tokens_per_s")
+    b = base.get(round_of(r))
     dev = (r.get("trace_devices") or [{}])[0]
     print("%8s  %5s  %9s  %8s  %10s  %6s  %6s  %7s  %5s  %-6s  %s" % (
-        t, "%.3f" % (t / base) if t and base else "-", r.get("iter_ms"), r.get("fb_only_ms"),
+        t, "%.3f" % (t / b) if t and b else "-", r.get("iter_ms"), r.get("fb_only_ms"),
         r.get("opt_step_ms"), r.get("opt_hidden_fraction"), r.get("trace_window_ms"),
         r.get("fb_outside_trace_ms"), dev.get("compute_idle_fraction"), r.get("status"),
         r.get("label")))
