@@ -116,11 +116,12 @@ void add_device_groups(DataParallel::Group &g, const std::vector<at::Device> &de
         // The gradient all-reduces run while the pipeline computes on the same GPU. NCCL's
         // default gives each one many CTAs (one SM each), which spin on the faster rank until the
         // slower one reaches the same gradient group, taking SMs from the compute. A few CTAs still
-        // move a gradient group over NVLink well within the backward that hides it. Measured with
-        // Qwen3-1.7B, 8 x 4096 per rank on two H100s (bench/RESULTS.md round 13): tokens/s per rank
-        // 0.906 of one process with NCCL's default, 0.931 with NCCL_CTA_POLICY=1, 0.943 with at
-        // most 4 CTAs. $NCCL_MIN_CTAS / $NCCL_MAX_CTAS still win: NCCL lets its environment
-        // override a communicator's config.
+        // move a gradient group over NVLink well within the backward that hides it. On two H100s
+        // (bench/RESULTS.md round 13) the ranks' tokens/s ratio was 0.906 with NCCL's default and
+        // 0.943 with at most 4 CTAs, but later runs showed the first two-rank run of a lease slow
+        // whatever it ran, so that gain is not yet separated from the runs' order.
+        // $NCCL_MIN_CTAS / $NCCL_MAX_CTAS still win: NCCL lets its environment override a
+        // communicator's config.
         options->config.minCTAs = 1;
         options->config.maxCTAs = kGradientAllReduceMaxCTAs;
 #endif
