@@ -535,8 +535,8 @@ RP_API rp_status rp_model_num_stages(int32_t *out_count, const rp_model *model);
 RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
 
 /**
- * The stage plan of the last call (after the re-plan the second GPU training call makes from
- * measured times; before any call, the plan for weights alone): stage s holds the next
+ * The stage plan of the last call (after the re-plan the third GPU training call makes from the
+ * times measured in the first three; before any call, the plan for weights alone): stage s holds the next
  * `out_layers_per_stage[s]` layers of the layer list. Under a memory cap the plan depends on
  * the call's tokens per microbatch, recompute grain and kind (see
  * rp_model_options_set_gpu_memory_cap).
@@ -552,7 +552,7 @@ RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out
 /**
  * Replace the stage plan of a live model, as rp_model_options_set_stage_plan does at creation:
  * stage s holds the next `layers_per_stage[s]` layers; NULL or n == 0 returns to the automatic
- * planner (on GPUs the second training call from then re-plans from measured times). The next
+ * planner (on GPUs the third training call from then re-plans from measured times). The next
  * call runs on the new stages; backward runs them in reverse order, and a backward stage plan
  * set before (rp_model_set_backward_stage_plan) is dropped. Weights, gradients, optimizer state and
  * queued steps do not depend on the plan and are untouched.

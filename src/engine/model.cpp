@@ -303,13 +303,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     phase.reset();
     run_training_pipeline(ctx, scale, nullptr);
     phase.emplace(timeline_, "caller", "loss");
-    // The first call's times are mostly one-time costs (library initialisation, kernel
-    // autotuning, allocator growth) and fall on whichever stages ran first on each device: on
-    // H200s they made Qwen3-1.7B's tail look 14x slower than it is (bench/RESULTS.md, round 6).
-    // The second call's are the steady state.
-    if (calls_since_plan_ < kReplanAfterCalls && has_cuda_devices() && explicit_plan_.empty() &&
-        ++calls_since_plan_ == kReplanAfterCalls)
-        replan_from_trace();
+    measure_for_replan();
     double total = 0.0;
     for (const at::Tensor &l : ctx.losses)
         total += l.item<double>() / scale;

@@ -23,6 +23,7 @@
 #include "engine/pipeline.h"
 #include "engine/run_config.h"
 #include "engine/stage_planner.h"
+#include "engine/stage_times.h"
 #include "engine/step_gate.h"
 #include "engine/trace.h"
 #include "optim/builtin_optimizer.h"
@@ -237,7 +238,10 @@ class Model {
     std::vector<Stage> make_plan(int64_t tokens, RecomputeGrain grain, StageUse use) const;
     // The backward stages of a call whose forward runs `forward`.
     std::vector<Stage> backward_plan_for(const std::vector<Stage> &forward) const;
-    void replan_from_trace();
+    // After a GPU training call under the automatic plan: keeps each stage's fastest time since
+    // the plan was set and re-plans from them at the kReplanAfterCalls-th call.
+    void measure_for_replan();
+    void replan_from(const StageTimes &measured);
     // Several GPUs: keeps per-layer forward and backward times (-1: not measured) for
     // plan_for_devices, the tail's forward times filled in from the other layers' ratio.
     void measure_layer_times(std::vector<double> forward, std::vector<double> backward,
@@ -265,7 +269,7 @@ class Model {
     std::vector<int> explicit_backward_plan_; // empty: the forward stages
     int64_t gpu_memory_cap_ = 0;
     double plan_cap_ = 0; // bytes the planner fits a device's stages into; 0: no limit
-    std::vector<double> layer_costs_; // estimated, then measured by the second GPU training call
+    std::vector<double> layer_costs_; // estimated, then measured by the GPU training calls
     // Several GPUs, standard mode: per layer, the compute times the re-planning call measured in
     // a forward job and in a backward job or the tail, and that call's microbatch count
     // (plan_for_devices); empty until then.
@@ -275,9 +279,11 @@ class Model {
     using PlanKey = std::tuple<int64_t, int, int>; // tokens per microbatch, grain, use
     std::map<PlanKey, std::vector<Stage>> plans_;
     PlanKey last_plan_key_{0, 0, static_cast<int>(StageUse::Fused)};
-    // GPU training calls re-plan once, from the times the kReplanAfterCalls-th call measured.
-    static constexpr int kReplanAfterCalls = 2;
+    // GPU training calls re-plan once, at the kReplanAfterCalls-th call, from each stage's
+    // fastest time in those calls (measure_for_replan says why not the first or the second).
+    static constexpr int kReplanAfterCalls = 3;
     int calls_since_plan_ = 0; // GPU training calls since the automatic plan was (re)set
+    std::optional<StageTimes> replan_times_; // their fastest per stage so far
     std::unordered_set<std::string> checked_shapes_; // input signatures that passed check_shapes
     RunConfig run_config_;
     Pipeline pipeline_;

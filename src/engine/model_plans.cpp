@@ -11,6 +11,7 @@
 #include "base/log.h"
 #include "engine/fused_schedule.h"
 #include "engine/stage_planner.h"
+#include "engine/stage_times.h"
 
 namespace rp {
 
@@ -127,7 +128,24 @@ const std::vector<Stage> &Model::plan_call(int64_t tokens, RecomputeGrain grain,
     return stages_;
 }
 
-void Model::replan_from_trace() {
+void Model::measure_for_replan() {
+    // The first call's times are mostly one-time costs (library initialisation, kernel
+    // autotuning, allocator growth) and fall on whichever stages ran first on each device: on
+    // H200s they made Qwen3-1.7B's tail look 14x slower than it is (bench/RESULTS.md, round 6).
+    // The second call still shares the host with the first optimizer step's one-time work: on
+    // H100s it took 2 to 11 times the steady call, and the one-GPU plans it chose for the same
+    // settings ranged from [13, 18] to [25, 6] layers, 8% apart in tokens/s (round 14). Each
+    // stage takes its fastest time over the calls up to the re-plan's: slowed calls measure a
+    // stage too long, never too short.
+    if (calls_since_plan_ >= kReplanAfterCalls || !has_cuda_devices() || !explicit_plan_.empty())
+        return;
+    StageTimes now = stage_times_of(pipeline_.last_trace(), stages_, num_devices() > 1);
+    replan_times_ = replan_times_ ? fastest(*replan_times_, now) : std::move(now);
+    if (++calls_since_plan_ == kReplanAfterCalls)
+        replan_from(*replan_times_);
+}
+
+void Model::replan_from(const StageTimes &measured) {
     // Spread each stage's measured compute time over its layers in proportion to their
     // estimates, then re-balance with the same memory limit: layers the estimate got wrong move.
     // One GPU runs the jobs of a call one after another: a stage weighs the sum of its jobs.
@@ -135,43 +153,30 @@ void Model::replan_from_trace() {
     // so a stage weighs its longest job: the tail's (forward and backward of its layers without
     // recompute) against a backward job's (recompute and backward). In a sum the tail's layers
     // look cheaper (no recompute, no forward job) and the tail would grow into the slowest job.
+    // StageTimes::weight is that sum or that longest job.
     const bool several = num_devices() > 1;
-    std::vector<double> stage_ms(stages_.size(), 0.0), forward_ms(stages_.size(), -1.0),
-        backward_ms(stages_.size(), -1.0);
-    size_t microbatches = 0;
-    for (const JobTrace &job : pipeline_.last_trace()) {
-        double ms = 0;
-        size_t spans = 0;
-        for (const TraceSpan &span : job.spans)
-            if (span.what == "compute") {
-                ms += span.end_ms - span.start_ms;
-                ++spans; // one per microbatch
-            }
-        microbatches = std::max(microbatches, spans);
-        stage_ms[job.stage] =
-            several ? std::max(stage_ms[job.stage], ms) : stage_ms[job.stage] + ms;
-        (job.kind == JobKind::Forward ? forward_ms : backward_ms)[job.stage] = ms;
-    }
     // Spread a per-stage time over the stage's layers in proportion to their estimates.
+    const std::vector<Stage> &stages = measured.stages; // the last call's plan, stages_
     auto per_layer = [&](const std::vector<double> &per_stage) {
         std::vector<double> out(layers_.size(), -1.0);
-        for (size_t s = 0; s < stages_.size(); ++s) {
+        for (size_t s = 0; s < stages.size(); ++s) {
             if (per_stage[s] < 0)
                 continue; // no such job for this stage
             double estimate = 0;
-            for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
+            for (size_t l = stages[s].first_layer; l < stages[s].end_layer; ++l)
                 estimate += layers_[l]->cost_estimate();
-            for (size_t l = stages_[s].first_layer; l < stages_[s].end_layer; ++l)
+            for (size_t l = stages[s].first_layer; l < stages[s].end_layer; ++l)
                 out[l] = per_stage[s] * layers_[l]->cost_estimate() / estimate;
         }
         return out;
     };
-    std::vector<double> cost = per_layer(stage_ms);
+    std::vector<double> cost = per_layer(measured.weight);
     if (dp_) // every rank must plan alike (GPU data parallelism pairs the ranks' jobs)
         dp_->average(cost);
     layer_costs_ = std::move(cost);
     if (several)
-        measure_layer_times(per_layer(forward_ms), per_layer(backward_ms), microbatches);
+        measure_layer_times(per_layer(measured.forward), per_layer(measured.backward),
+                            measured.microbatches);
     // The fused call as modelled for a plan (plan_for_devices), for the log: -1 if not modelled.
     auto modelled_ms = [&](const std::vector<Stage> &stages) {
         if (layer_forward_ms_.empty() || stages.empty())
@@ -182,15 +187,15 @@ void Model::replan_from_trace() {
         return fused_call_ms(fused_job_ms(cuts, layer_forward_ms_, layer_backward_ms_),
                              num_devices(), measured_microbatches_);
     };
-    const double before_ms = modelled_ms(stages_);
+    const double before_ms = modelled_ms(stages);
     plans_.clear();
     stages_ = make_plan(std::get<0>(last_plan_key_),
                         static_cast<RecomputeGrain>(std::get<1>(last_plan_key_)),
                         static_cast<StageUse>(std::get<2>(last_plan_key_)));
     plans_.emplace(last_plan_key_, stages_);
-    std::string measured, plan;
-    for (double ms : stage_ms)
-        measured += (measured.empty() ? "" : ", ") + std::to_string(static_cast<int>(ms));
+    std::string times, plan;
+    for (double ms : measured.weight)
+        times += (times.empty() ? "" : ", ") + std::to_string(static_cast<int>(ms));
     for (int c : stage_plan())
         plan += (plan.empty() ? "" : ", ") + std::to_string(c);
     std::string model;
@@ -198,7 +203,7 @@ void Model::replan_from_trace() {
         model = " (the fused call modelled: " + std::to_string(static_cast<int>(before_ms)) +
                 " ms before, " + std::to_string(static_cast<int>(modelled_ms(stages_))) +
                 " ms now)";
-    log(LogLevel::Info, name_ + ": re-planned from measured stage times [" + measured +
+    log(LogLevel::Info, name_ + ": re-planned from measured stage times [" + times +
                             "] ms: layers per stage [" + plan + "]" + model);
 }
 
@@ -278,8 +283,10 @@ void Model::set_stage_plan(const std::vector<int> &layers_per_stage) {
     stages_ = std::move(stages);
     explicit_backward_plan_.clear(); // a backward plan is made for the forward plan it follows
     plans_.clear();                  // plans made per call shape under the old setting
-    if (layers_per_stage.empty())
-        calls_since_plan_ = 0; // on GPUs the second training call from now re-plans again
+    if (layers_per_stage.empty()) { // on GPUs the automatic plan is measured and re-planned again
+        calls_since_plan_ = 0;
+        replan_times_.reset();
+    }
 }
 
 } // namespace rp

@@ -187,7 +187,7 @@ class ModelExecutePlan:
              ) -> Union["ModelExecutePlan", List["ModelExecutePlan"]]:
         """The plan each model's engine runs, in the form of `run_type` ("infer", "train" or
         "fused"): the engine's own planner decides the stages (from layer cost estimates, and
-        on GPUs from the times measured in the second training call), and this returns its
+        on GPUs from the times measured in the first three training calls), and this returns its
         current stage plan (``rp_model_stage_plan``). One model gives one plan, several a list.
 
         `min_stages` and `upper_threshold` are hints (upstream: "the actual number of stages

@@ -385,7 +385,7 @@ class RoundPipe(WeightsMixin):
 
     def stage_plan(self):
         """The current stage plan (``rp_model_stage_plan``): the number of layers of each stage,
-        in pipeline order (after the re-plan the second GPU training call makes from measured
+        in pipeline order (after the re-plan the third GPU training call makes from measured
         times)."""
         return self._model.stage_plan()
 

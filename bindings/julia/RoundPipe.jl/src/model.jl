@@ -196,7 +196,7 @@ end
     stage_plan(model) -> Vector{Int}
 
 The current stage plan, as the engine decided it (the `stage_plan` option, else the planner;
-on GPUs, re-planned from measured times by the second training call): stage `s` holds the next
+on GPUs, re-planned from measured times by the third training call): stage `s` holds the next
 `stage_plan(model)[s]` layers of the layer list, so the counts add up to `num_layers(model)`.
 """
 stage_plan(m::Model) = _read_plan(L.rp_model_stage_plan, m)

@@ -335,7 +335,7 @@ impl Model {
     }
 
     /// The current stage plan, as the engine decided it (the explicit plan of the options,
-    /// else the planner's; on GPUs, re-planned from measured times by the second training
+    /// else the planner's; on GPUs, re-planned from measured times by the third training
     /// call): stage `s` holds the next `plan[s]` layers, so the counts add up to
     /// [`num_layers`](Self::num_layers).
     pub fn stage_plan(&self) -> Result<Vec<i32>> {
