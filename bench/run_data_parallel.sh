@@ -101,7 +101,8 @@ base = {round_of(r): r.get("tokens_per_s") for r in rows
         if (r.get("label") or "").startswith("single")}
 # window: the call's trace (first to last device work); outside: the call's time beyond it
 # (host work after the pipeline); idle: device 0's compute idle share of its window.
-print("tokens/s  ratio  iteration  fb alone  step alone  hidden  window  outside  idle   status  run")
+print("tokens/s  ratio  iteration  fb alone  step alone  hidden  window  outside  idle   status"
+      "  run")
 for r in rows:
     t = r.get("tokens_per_s")
     b = base.get(round_of(r))

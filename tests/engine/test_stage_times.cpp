@@ -59,7 +59,8 @@ std::vector<rp::JobTrace> fused_call(double scale) {
 
 void one_device_sums_the_jobs() {
     const rp::StageTimes t = rp::stage_times_of(fused_call(1), two_stages, false);
-    check_times(t.weight, {64, 10.5}, "one device: stage 0 weighs 10 + 12 + 20 + 22, the tail 10.5");
+    check_times(t.weight, {64, 10.5},
+                "one device: stage 0 weighs 10 + 12 + 20 + 22, the tail 10.5");
     check_times(t.forward, {22, -1}, "forward jobs: stage 0's 22, no forward job for the tail");
     check_times(t.backward, {42, 10.5}, "backward job and tail");
     check(t.microbatches == 2, "two compute spans per job: two microbatches");
@@ -87,7 +88,8 @@ void fastest_takes_each_stage_shorter_time() {
     slow_tail.backward[1] = 105;
     const rp::StageTimes t = rp::fastest(slow_stage0, slow_tail);
     check_times(t.weight, {64, 10.5}, "fastest: each stage's shorter weight");
-    check_times(t.forward, {22, -1}, "fastest: each stage's shorter forward, -1 kept where neither measured");
+    check_times(t.forward, {22, -1},
+                "fastest: each stage's shorter forward, -1 kept where neither measured");
     check_times(t.backward, {42, 10.5}, "fastest: each stage's shorter backward");
     const rp::StageTimes same = rp::fastest(slow_tail, slow_stage0);
     check_times(same.weight, t.weight, "fastest is symmetric");
