@@ -16,7 +16,7 @@
 # is a summary.
 #
 #   OUT=/tmp/out BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/run_gpu_bench.sh
-# Knobs: BENCH_COMMIT (recorded in every line's label; default: git rev-parse when .git exists),
+# Knobs: BENCH_COMMIT (recorded in every line's label; default: see bench/bench_commit.sh),
 #        BENCH_BUDGET_S (default 540), BENCH_STEPS (timed steps of the 1.7B runs, default 6),
 #        BENCH_8B_ARGS (extra train_bench flags for the 8B run).
 set -uo pipefail
@@ -37,7 +37,8 @@ if [ -d "$root/.gpu-deps" ]; then
   export LD_LIBRARY_PATH=$deps/lib:${LD_LIBRARY_PATH:-}
 fi
 
-commit=${BENCH_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# shellcheck source=bench/bench_commit.sh
+source "$root/bench/bench_commit.sh"
 date_utc=$(date -u +%Y-%m-%dT%H:%MZ)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 {

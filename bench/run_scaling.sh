@@ -18,7 +18,8 @@ if [ -d "$root/.gpu-deps" ]; then
   export CMAKE_INCLUDE_PATH=$root/.gpu-deps/include CMAKE_LIBRARY_PATH=$root/.gpu-deps/lib
   export LD_LIBRARY_PATH=$root/.gpu-deps/lib:${LD_LIBRARY_PATH:-}
 fi
-commit=${BENCH_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# shellcheck source=bench/bench_commit.sh
+source "$root/bench/bench_commit.sh"
 label="commit=$commit date=$(date -u +%Y-%m-%dT%H:%MZ) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l)"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/configure.log" 2>&1 &&
   cmake --build "$build" -j"$(nproc)" --target train_bench > "$out/build.log" 2>&1 ||
