@@ -509,6 +509,38 @@ def test_bfloat16_transformers_model_is_wrapped_in_bfloat16():
 
 
 @needs_transformers
+def test_bfloat16_tied_embedding_gradient_is_the_sum_of_both_uses():
+    """A tied bf16 embedding gets two contributions in one call on two stages: the LM head's from
+    the tail, lent where its download landed, then the embedding's from the first stage's
+    backward, which the gradient thread adds to it in the fp32 buffer. The reference: transformers in fp32 on the same (bf16-rounded) weights, untied, so
+    that each use's gradient is known; the tied gradient is their sum. The engine computes in
+    bf16 (8 significant bits): its gradients were seen within 1% of fp32 ones (test_equivalence.c
+    has 9e-3 through 7 layers), so 3e-2 of the norm; each use alone is checked to be well above
+    that, so a sum that left either out fails."""
+    hf = tiny_hf_model("qwen3", tied=True).to(torch.bfloat16)
+    reference = tiny_hf_model("qwen3", tied=False)
+    weights = {k: v.float() for k, v in hf.state_dict().items()}
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    reference.load_state_dict(weights)
+    ids, mask, labels = lm_batch()
+    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    head = reference.lm_head.weight.grad
+    embedding = reference.model.embed_tokens.weight.grad
+    want = head + embedding
+    tolerance = 3e-2
+    for part in (head, embedding):
+        assert part.norm() > 5 * tolerance * want.norm()
+    with wrap(hf) as model:
+        model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask},
+                               label=labels, loss_fn="causal_lm")
+        model.synchronize()
+        grads = {model.hf_parameter_name(n): p.grad for n, p in model.optim_named_parameters()}
+    got = grads["model.embed_tokens.weight"]
+    assert got.dtype == torch.float32
+    assert (got - want).norm() <= tolerance * want.norm(), float((got - want).norm() / want.norm())
+
+
+@needs_transformers
 def test_wrapped_model_with_tensors_the_engine_has_no_place_for_is_refused():
     hf = tiny_hf_model("llama")
     hf.model.extra = torch.nn.Linear(2, 2)  # e.g. an adapter the engine has no place for
