@@ -88,8 +88,9 @@ for ((k = 1; k <= rounds; k++)); do
   done
 done
 for t in "$out"/trace_*.json; do
-  [ -f "$t" ] && [[ $t != *.summary.json ]] &&
+  if [ -f "$t" ] && [[ $t != *.summary.json ]]; then
     python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
+  fi
 done
 python3 - "$out/data_parallel.jsonl" <<'PY'
 import json, re, sys

@@ -29,20 +29,30 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/conf
 # (space-separated, each a comma list of layers per stage covering every unit of the model, e.g.
 # "8,8,8,7 3,5,12,11" for the Qwen3-1.7B shape's 31), to compare the planner's choice with them.
 # RP_LOG_LEVEL=info puts the re-plan's line (measured stage times, the fused call modelled
-# before and after) in each run's log.
+# before and after) in each run's log. SCALING_TRACE=1 also writes each run's last training call
+# as a Chrome trace ($OUT/trace_<gpus>[<plan>].json) and its bench/trace_summary.py digest
+# (.summary.json beside it), to see where a count loses time against one GPU.
 for g in ${SCALING_GPUS:-1 2}; do
   plans=(auto)
   [ "$g" -gt 1 ] && plans+=(${SCALING_PLANS:-})
   for plan in "${plans[@]}"; do
     echo "[scaling] $g GPU(s), plan $plan"
     log=$out/scaling_$g${plan/#auto/}.log
+    trace_args=()
+    trace=$out/trace_$g${plan/#auto/}.json
+    [ "${SCALING_TRACE:-0}" = 1 ] && trace_args=(--trace "${trace//,/-}")
     RP_LOG_LEVEL=${RP_LOG_LEVEL:-info} timeout 300 "$build/bench/train_bench" \
       --shape "${SCALING_SHAPE:-qwen3-1.7b}" --batch 8 \
       --seq 4096 --microbatches 8 --grain stage --dtype bf16 --devices cuda --num-devices "$g" \
       --warmup 3 --steps 6 --fb-only-steps 1 --opt-steps 1 --baseline off --plan "$plan" \
-      ${SCALING_ARGS:-} --label "$label gpus=$g plan=$plan" \
+      ${SCALING_ARGS:-} "${trace_args[@]}" --label "$label gpus=$g plan=$plan" \
       2> "${log//,/-}" | tail -1 >> "$out/scaling.jsonl"
   done
+done
+for t in "$out"/trace_*.json; do
+  if [ -f "$t" ] && [[ $t != *.summary.json ]]; then
+    python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
+  fi
 done
 python3 - "$out/scaling.jsonl" <<'PY'
 import json, sys
