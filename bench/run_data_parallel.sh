@@ -87,11 +87,7 @@ for ((k = 1; k <= rounds; k++)); do
     done
   done
 done
-for t in "$out"/trace_*.json; do
-  if [ -f "$t" ] && [[ $t != *.summary.json ]]; then
-    python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
-  fi
-done
+python3 "$root/bench/trace_summary.py" --beside "$out"/trace_*.json
 python3 - "$out/data_parallel.jsonl" <<'PY'
 import json, re, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

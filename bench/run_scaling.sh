@@ -49,11 +49,7 @@ for g in ${SCALING_GPUS:-1 2}; do
       2> "${log//,/-}" | tail -1 >> "$out/scaling.jsonl"
   done
 done
-for t in "$out"/trace_*.json; do
-  if [ -f "$t" ] && [[ $t != *.summary.json ]]; then
-    python3 "$root/bench/trace_summary.py" "$t" > "${t%.json}.summary.json"
-  fi
-done
+python3 "$root/bench/trace_summary.py" --beside "$out"/trace_*.json
 python3 - "$out/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

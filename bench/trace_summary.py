@@ -10,8 +10,13 @@ Host threads: host_ms, each thread's busy time by span kind; host_ms_after_pipel
 it after the caller's "pipeline" span ended (work the devices' time did not hide).
 
     python3 bench/trace_summary.py trace.json
+    python3 bench/trace_summary.py --beside out/trace_*.json   # each digest to trace_*.summary.json
+
+--beside writes each named trace's digest beside it instead of printing it, passing over names
+that are digests already (*.summary.json) or do not exist (an unmatched shell glob).
 """
 import json
+import os
 import sys
 
 
@@ -77,10 +82,20 @@ def summarise(events):
     return out
 
 
+def digest(path):
+    with open(path) as f:
+        return json.dumps(summarise(json.load(f)["traceEvents"]))
+
+
 def main():
-    with open(sys.argv[1]) as f:
-        trace = json.load(f)
-    print(json.dumps(summarise(trace["traceEvents"])))
+    if sys.argv[1] != "--beside":
+        print(digest(sys.argv[1]))
+        return
+    for path in sys.argv[2:]:
+        if path.endswith(".summary.json") or not os.path.isfile(path):
+            continue
+        with open(path[:-len(".json")] + ".summary.json", "w") as f:
+            f.write(digest(path) + "\n")
 
 
 if __name__ == "__main__":

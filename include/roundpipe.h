@@ -536,9 +536,9 @@ RP_API rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model)
 
 /**
  * The stage plan of the last call (after the re-plan the third GPU training call makes from the
- * times measured in the first three; before any call, the plan for weights alone): stage s holds the next
- * `out_layers_per_stage[s]` layers of the layer list. Under a memory cap the plan depends on
- * the call's tokens per microbatch, recompute grain and kind (see
+ * times measured in the first three; before any call, the plan for weights alone): stage s
+ * holds the next `out_layers_per_stage[s]` layers of the layer list. Under a memory cap the
+ * plan depends on the call's tokens per microbatch, recompute grain and kind (see
  * rp_model_options_set_gpu_memory_cap).
  * @param out_layers_per_stage up to `capacity` counts are written (may be NULL when capacity
  *        is 0).
