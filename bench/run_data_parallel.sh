@@ -46,9 +46,9 @@ trace_for() { # run name: trace_args = that run's --trace flag when DP_TRACE=1, 
   [ "${DP_TRACE:-0}" = 1 ] && trace_args=(--trace "$out/trace_$1.json")
 }
 # DP_ROUNDS=N (default 1) runs the whole sequence (one process, then the ranks and their
-# variants) N times, each round's ratios against its own one-process run: the first two-rank run
-# of a lease was the slowest whatever it ran (bench/RESULTS.md round 13), so a variant compared
-# with the plain ranks needs both in a later round too.
+# variants) N times, each round's ratios against its own one-process run, to see whether a
+# figure holds from round to round: in round 13 the first two-rank run of a lease was the slowest
+# whatever it ran, which round 14 traced to the automatic re-plan (fixed in 0d6f75e).
 rounds=${DP_ROUNDS:-1}
 for ((k = 1; k <= rounds; k++)); do
   round_tag="" round_label=""
