@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/variable.h>
 
+#include "base/error.h"
+
 namespace rp {
 namespace {
 
@@ -9,21 +11,49 @@ namespace {
 // them to fp32 on the host as they land. With each group goes one number per gradient that says
 // whether any element is inf or nan: its sum in float64, which propagates both and cannot
 // overflow, so the host is spared a second pass over the bytes.
+// A row gradient (an embedding's sparse COO tensor, LayerContext::row_gradients) travels as its
+// row indices and its rows, and lands as a sparse host tensor of the same rows.
 void download_group(CallContext &ctx, std::vector<std::pair<size_t, at::Tensor>> grads,
                     std::vector<at::Tensor> sums, DeviceLane &lane, size_t job,
                     std::shared_ptr<void> after) {
     if (grads.empty())
         return;
     std::vector<at::Tensor> device;
-    for (const auto &g : grads)
-        device.push_back(g.second);
+    for (const auto &g : grads) {
+        if (g.second.is_sparse()) {
+            device.push_back(g.second._indices().contiguous());
+            device.push_back(g.second._values().contiguous());
+        } else {
+            device.push_back(g.second);
+        }
+    }
+    const size_t num_grad_tensors = device.size();
     device.insert(device.end(), sums.begin(), sums.end());
     Transfer host = lane.download(device, job, Payload::Gradients, std::move(after));
-    for (size_t i = 0; i < grads.size(); ++i)
-        grads[i].second = host.tensors[i];
-    std::vector<at::Tensor> checks(host.tensors.begin() + static_cast<long>(grads.size()),
+    size_t next = 0;
+    for (auto &g : grads) {
+        if (g.second.is_sparse()) {
+            const at::Tensor &rows = host.tensors[next++];
+            const at::Tensor &values = host.tensors[next++];
+            g.second = at::_sparse_coo_tensor_unsafe(rows, values, g.second.sizes());
+        } else {
+            g.second = host.tensors[next++];
+        }
+    }
+    std::vector<at::Tensor> checks(host.tensors.begin() + static_cast<long>(num_grad_tensors),
                                    host.tensors.end());
     ctx.gradients->add(std::move(grads), std::move(checks), std::move(host), lane);
+}
+
+// The non-finite check's sum (see download_group); a row gradient's is its rows'.
+at::Tensor check_sum(const at::Tensor &grad) {
+    return (grad.is_sparse() ? grad._values() : grad).sum(at::kDouble);
+}
+
+int64_t bytes_of(const at::Tensor &grad) {
+    if (grad.is_sparse())
+        return static_cast<int64_t>(grad._values().nbytes() + grad._indices().nbytes());
+    return static_cast<int64_t>(grad.nbytes());
 }
 
 } // namespace
@@ -35,7 +65,7 @@ struct FinalGradients::Hook final : torch::autograd::PostAccumulateGradHook {
         if (!g.defined()) // nothing accumulated (a caller layer gave no gradient)
             return;
         at::NoGradGuard no_grad;
-        at::Tensor sum = g.sum(at::kDouble);
+        at::Tensor sum = check_sum(g);
         std::lock_guard<std::mutex> lock(owner_->mutex_);
         owner_->add(leaf_, g, std::move(sum));
         if (owner_->bytes_ >= kGroupBytes)
@@ -66,7 +96,7 @@ void FinalGradients::finish() {
     for (size_t i = 0; i < leaves_.size(); ++i) {
         const at::Tensor g = leaves_[i].second.grad();
         if (!sent_[i] && g.defined())
-            add(i, g, g.sum(at::kDouble));
+            add(i, g, check_sum(g));
     }
     flush();
 }
@@ -75,7 +105,7 @@ void FinalGradients::add(size_t leaf, const at::Tensor &grad, at::Tensor sum) {
     sent_[leaf] = true;
     grads_.emplace_back(leaves_[leaf].first, grad);
     sums_.push_back(std::move(sum));
-    bytes_ += static_cast<int64_t>(grad.nbytes());
+    bytes_ += bytes_of(grad);
 }
 
 void FinalGradients::flush() {
@@ -95,9 +125,12 @@ std::shared_ptr<void> FinalGradients::average_over_ranks() {
     // memory, cheap next to the transfer), their sums in another. The downloads then read the
     // averages; a sum is inf or nan when any rank's gradients held one, so every rank makes the
     // same skip decision.
+    // The call gives no row gradients when it reduces (GradAccumulator::takes_row_gradients).
     std::vector<at::Tensor> flat_parts;
-    for (const auto &g : grads_)
+    for (const auto &g : grads_) {
+        require(!g.second.is_sparse(), "a row gradient reached the device reduction");
         flat_parts.push_back(g.second.reshape(-1));
+    }
     at::Tensor flat = at::cat(flat_parts);
     at::Tensor sums = at::stack(sums_);
     std::shared_ptr<void> ready = ctx_.device_reduction->average_on_device(flat, sums);

@@ -32,10 +32,16 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
     touched_.clear();
     held_.clear();
     error_ = nullptr;
+    jobs_per_param_ = jobs_per_param;
     if (dp_) {
         dp_->check_usable();
         reducer_.begin_call(jobs_per_param);
     }
+}
+
+bool GradAccumulator::takes_row_gradients() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !dp_ && !final_;
 }
 
 void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn) {
@@ -96,7 +102,7 @@ void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
 
 bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tensor &dst,
                                double factor) const {
-    if (!final_ || final_->jobs[p] != 1 || !buffers_zero_ || factor != 1.0 ||
+    if (!final_ || grad.is_sparse() || final_->jobs[p] != 1 || !buffers_zero_ || factor != 1.0 ||
         grad.scalar_type() != dst.scalar_type() || !grad.is_contiguous() ||
         grad.sizes() != dst.sizes())
         return false;
@@ -107,6 +113,7 @@ bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tenso
 bool GradAccumulator::may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
                                         double factor) {
     if (final_ || dp_ || lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 ||
+        grad.is_sparse() || (p < jobs_per_param_.size() && jobs_per_param_[p] > 1) ||
         grad.scalar_type() != at::kBFloat16 || dst.scalar_type() != at::kFloat ||
         !grad.is_contiguous() || grad.sizes() != dst.sizes() || store_.grad_lent(p))
         return false;
@@ -222,6 +229,30 @@ void add_widened(at::Tensor &dst, const at::Tensor &src, double factor) {
     });
 }
 
+// dst[row] += factor * values[i] for each (row, values[i]) of a row gradient: the rows an
+// embedding's tokens used, a row once per use (the device did not merge repeats; here they add
+// in fp32). Parallel over column blocks, so no two threads write one element.
+void add_rows(at::Tensor &dst, const at::Tensor &sparse, double factor) {
+    const at::Tensor rows = sparse._indices().reshape(-1).contiguous();
+    const int64_t n = rows.numel(), width = dst.numel() / std::max<int64_t>(dst.size(0), 1);
+    at::Tensor values = sparse._values().reshape({n, width});
+    at::Tensor d = dst.view({dst.size(0), width});
+    if (values.scalar_type() != at::kBFloat16 || d.scalar_type() != at::kFloat) {
+        d.index_add_(0, rows, values.to(d.scalar_type()), factor);
+        return;
+    }
+    values = values.contiguous();
+    const auto *in = reinterpret_cast<const uint16_t *>(values.data_ptr());
+    const int64_t *row = rows.data_ptr<int64_t>();
+    float *out = d.data_ptr<float>();
+    const float f = static_cast<float>(factor);
+    // 64 columns (256 bytes of fp32) at least per block: whole cache lines per thread.
+    at::parallel_for(0, width, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = 0; i < n; ++i)
+            add_widened_bf16(in + i * width + begin, out + row[i] * width + begin, end - begin, f);
+    });
+}
+
 } // namespace
 
 void GradAccumulator::apply(const Item &item) {
@@ -258,6 +289,10 @@ void GradAccumulator::apply(const Item &item) {
         {
             std::lock_guard<std::mutex> lock(mutex_);
             first = buffers_zero_ && touched_.insert(g.first).second;
+        }
+        if (g.second.is_sparse()) { // a zero buffer too: only the rows used change
+            add_rows(dst, g.second, factor);
+            continue;
         }
         const bool same_dtype = g.second.scalar_type() == dst.scalar_type();
         if (first) { // the buffer is zero: write instead of read-add-write

@@ -18,7 +18,11 @@
 // Standard mode, bf16 models (lend_standard): a parameter's first contribution since its last
 // step, when it is whole and the buffer zero, is lent to the store where its download landed
 // (ParamStore::lend_grad) instead of widened into the fp32 buffer; a later contribution widens
-// it first.
+// it first. A parameter two of the call's jobs deliver (a tied embedding) is not lent: its first
+// part is widened as it lands, mid-call, so the second (at the call's end) only adds.
+//
+// Row gradients (takes_row_gradients): an embedding's contribution may be a sparse host tensor
+// of the rows its tokens used; only those rows are added.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -53,9 +57,13 @@ class GradAccumulator {
     void set_lend_limit(int64_t limit) { lend_limit_ = limit; }
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
-    // `jobs_per_param` (data parallel only): per parameter, how many of the call's jobs deliver
-    // a gradient of it (job_done says when each has).
+    // `jobs_per_param`: per parameter, how many of the call's jobs deliver a gradient of it
+    // (data parallel: job_done says when each has); empty: one each.
     void begin_call(bool buffers_zero, double factor, const std::vector<int> &jobs_per_param = {});
+    // Whether this call's contributions may be row gradients (sparse COO host tensors): not
+    // when they are averaged over ranks (the reducer's buckets are dense) nor with in-call steps
+    // (the listener reads dense gradients). Caller thread, after begin_call / report_final.
+    bool takes_row_gradients();
 
     // A gradient no later contribution of the call can change.
     struct FinalGradient {
@@ -131,6 +139,7 @@ class GradAccumulator {
     size_t in_flight_ = 0;
     bool buffers_zero_ = true;
     double factor_ = 1.0;
+    std::vector<int> jobs_per_param_; // this call's, from begin_call
     std::unordered_set<size_t> touched_; // parameters written during this call
     std::exception_ptr error_;
     DataParallel *dp_ = nullptr;

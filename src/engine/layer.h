@@ -64,6 +64,11 @@ struct LayerContext {
     size_t microbatch = 0;
     size_t layer_index = 0;
     at::Device device = at::Device(at::kCPU); // where this layer computes
+    // An embedding may give its weight's gradient as a sparse COO tensor of the rows its tokens
+    // used (at::embedding's `sparse`): the call's gradient path adds just those rows on the host
+    // instead of downloading and adding the whole [vocab, dim] table. Set when the call's
+    // accumulation takes such gradients (GradAccumulator::takes_row_gradients).
+    bool row_gradients = false;
 };
 
 class Layer {

@@ -337,15 +337,15 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
     ctx.gradients = &gradients_;
     gate_call(ctx);
     // Data parallel on GPUs: the ranks' jobs meet pairwise in per-GPU collectives, so every
-    // rank must run this call's job layout; on the host the reducer needs each parameter's jobs.
+    // rank must run this call's job layout. Each parameter's jobs: the reducer waits for them,
+    // and the accumulator does not lend a gradient a second job adds to.
     const bool on_device = dp_ && dp_->reduces_on_device();
     if (on_device) {
         dp_->check_same(job_layout_fingerprint(ctx, num_devices()), "the stages of this call");
         ctx.device_reduction = dp_.get();
     }
     const bool buffers_were_zero = grads_zero_;
-    gradients_.begin_call(grads_zero_, 1.0 / scale,
-                          dp_ && !on_device ? gradient_jobs_per_param(ctx) : std::vector<int>{});
+    gradients_.begin_call(grads_zero_, 1.0 / scale, gradient_jobs_per_param(ctx));
     // In-call steps: the call's gradients are the step's, whether it succeeds or not (those
     // handed over are updated, the rest dropped), so the buffers end zero either way.
     struct CloseFeed {
@@ -360,6 +360,8 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
             feed->close(!ok);
         }
     } in_call{*this, in_call_ && ctx.kind == CallKind::Fused ? start_in_call_step(ctx) : nullptr};
+    // Averaged on the devices, gradients go through dense collectives.
+    ctx.row_gradients = gradients_.takes_row_gradients() && !on_device;
     {
         HostSpan span(timeline_, "caller", "pipeline");
         try {

@@ -144,6 +144,7 @@ LayerContext layer_context(const CallContext &ctx, size_t layer, const Microbatc
     lc.microbatch = e.microbatch;
     lc.layer_index = layer;
     lc.device = e.device;
+    lc.row_gradients = ctx.row_gradients;
     return lc;
 }
 

@@ -81,6 +81,8 @@ struct CallContext {
     // GPU data parallelism: final gradients are averaged over the ranks on the device before
     // they are downloaded (FinalGradients).
     DataParallel *device_reduction = nullptr;
+    // Embeddings may give row (sparse) gradients; see LayerContext::row_gradients.
+    bool row_gradients = false;
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };

@@ -76,8 +76,8 @@ class Embedding final : public Layer {
     std::string type() const override { return "embedding"; }
     int64_t input_index_limit() const override { return num_; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
-                       const LayerContext &) const override {
-        return at::embedding(p[0], x);
+                       const LayerContext &lc) const override {
+        return at::embedding(p[0], x, -1, false, lc.row_gradients);
     }
     double cost_estimate() const override { return 1024.0; } // a gather, not a matmul
 

@@ -21,11 +21,11 @@ class TokenEmbedding final : public Layer {
     int64_t input_index_limit() const override { return vocab(); }
     int64_t vocab() const { return num_; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &ids,
-                       const LayerContext &) const override {
+                       const LayerContext &lc) const override {
         TORCH_CHECK_VALUE(!at::isFloatingType(ids.scalar_type()),
                           "token_embedding needs integer token ids, got ",
                           c10::toString(ids.scalar_type()));
-        return at::embedding(p[0], ids);
+        return at::embedding(p[0], ids, -1, false, lc.row_gradients);
     }
     double cost_estimate() const override { return 1024.0; } // a gather, not a matmul
     // Its backward keeps only the token ids (int64).

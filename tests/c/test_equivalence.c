@@ -314,6 +314,52 @@ static void embedding_model_matches_reference(void **state) {
     rp_model_destroy(model);
 }
 
+/* The embedding's gradient as rows (LayerContext::row_gradients: only the rows its tokens used
+ * reach the host), added into a buffer that already holds the previous call's gradient (a
+ * call's contributions are then held until it succeeds) and unscaled by the loss scaler's
+ * factor. Two calls per step, indices repeating within a call and differing between the calls,
+ * loss scale 8 (a power of two: the unscaled gradient is the same fp32 arithmetic); a row added
+ * once, twice or with the wrong factor is off by 1e-1 or more. */
+static void embedding_rows_accumulate_over_calls_with_loss_scaling(void **state) {
+    (void)state;
+    const char *spec = "{\"layers\": ["
+                       "{\"type\": \"embedding\", \"num\": 13, \"dim\": 8},"
+                       "{\"type\": \"tanh\"},"
+                       "{\"type\": \"flatten\", \"start_dim\": 1},"
+                       "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}";
+    rp_model *model = ts_model(spec, 6, 2, NULL, 0);
+    TS_OK(rp_model_set_grad_scaler(model, 8.0, 1000));
+    ref_model *ref = ts_reference_from(model, spec, 6);
+    rp_run_config *cfg = ts_config(3, RP_GRAIN_STAGE);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    int64_t xs[2] = {ROWS, 3}, ys[2] = {ROWS, 4};
+    for (int it = 0; it < 2; ++it) {
+        for (int call = 0; call < 2; ++call) {
+            int64_t idx[ROWS * 3];
+            for (int i = 0; i < ROWS * 3; ++i)
+                idx[i] = (i * 5 + 3 * call + it) % (call ? 12 : 7); /* repeats; row 12 unused */
+            float y[ROWS * 4];
+            ts_fill_uniform(y, ROWS * 4, 500 + 2 * it + call, -1.f, 1.f);
+            fb_both(model, ref, cfg, loss, REF_LOSS_MSE, 1.0, 3, (const float *)idx, xs, 2, 1, y,
+                    ys, 2, 0, 2 * it + call, it);
+        }
+        TS_OK(rp_step(model, opt, 0));
+        assert_int_equal(ref_step_adamw(ref, 1e-3, 0.9, 0.999, 1e-8, 1e-2), 0);
+        ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
+        ts_assert_params_close(w, rw, 1e-4, "weight after AdamW step (two calls, loss scale 8)");
+        ts_params_free(w);
+        ts_params_free(rw);
+    }
+    rp_optimizer_destroy(opt);
+    rp_loss_destroy(loss);
+    rp_run_config_destroy(cfg);
+    ref_destroy(ref);
+    rp_model_destroy(model);
+}
+
 /* RP_LOSS_OUTPUT: the model's one-element output per microbatch is the loss. */
 static void output_loss_matches_reference(void **state) {
     (void)state;
@@ -494,6 +540,8 @@ int main(void) {
     tests[n++] =
         (struct CMUnitTest)cmocka_unit_test(layer_zoo_with_cross_entropy_and_sgd_matches_reference);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(embedding_model_matches_reference);
+    tests[n++] =
+        (struct CMUnitTest)cmocka_unit_test(embedding_rows_accumulate_over_calls_with_loss_scaling);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(output_loss_matches_reference);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(forward_is_eval_mode_and_not_a_training_call);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(
