@@ -64,12 +64,24 @@ struct LayerContext {
     size_t microbatch = 0;
     size_t layer_index = 0;
     at::Device device = at::Device(at::kCPU); // where this layer computes
+    size_t num_microbatches = 1; // of the call
     // An embedding may give its weight's gradient as a sparse COO tensor of the rows its tokens
     // used (at::embedding's `sparse`): the call's gradient path adds just those rows on the host
     // instead of downloading and adding the whole [vocab, dim] table. Set when the call's
-    // accumulation takes such gradients (GradAccumulator::takes_row_gradients).
+    // accumulation takes such gradients (GradAccumulator::takes_row_gradients); see
+    // embedding_row_gradient.
     bool row_gradients = false;
 };
+
+// Whether an embedding's lookup of `ids` in `weight` gives a row gradient: when the call takes
+// them and the call's rows (this microbatch's times the microbatches) are no more than the
+// table's, so the rows never cost more to move and add than the dense gradient (a small
+// vocabulary over many tokens stays dense).
+inline bool embedding_row_gradient(const LayerContext &lc, const at::Tensor &ids,
+                                   const at::Tensor &weight) {
+    return lc.row_gradients && weight.dim() == 2 &&
+           ids.numel() * static_cast<int64_t>(lc.num_microbatches) <= weight.size(0);
+}
 
 class Layer {
   public:

@@ -142,6 +142,7 @@ LayerContext layer_context(const CallContext &ctx, size_t layer, const Microbatc
     lc.labels = fusable && e.labels.defined() ? &e.labels : nullptr;
     lc.phase = phase;
     lc.microbatch = e.microbatch;
+    lc.num_microbatches = ctx.num_microbatches();
     lc.layer_index = layer;
     lc.device = e.device;
     lc.row_gradients = ctx.row_gradients;

@@ -77,7 +77,7 @@ class Embedding final : public Layer {
     int64_t input_index_limit() const override { return num_; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
                        const LayerContext &lc) const override {
-        return at::embedding(p[0], x, -1, false, lc.row_gradients);
+        return at::embedding(p[0], x, -1, false, embedding_row_gradient(lc, x, p[0]));
     }
     double cost_estimate() const override { return 1024.0; } // a gather, not a matmul
 

@@ -25,7 +25,7 @@ class TokenEmbedding final : public Layer {
         TORCH_CHECK_VALUE(!at::isFloatingType(ids.scalar_type()),
                           "token_embedding needs integer token ids, got ",
                           c10::toString(ids.scalar_type()));
-        return at::embedding(p[0], ids, -1, false, lc.row_gradients);
+        return at::embedding(p[0], ids, -1, false, embedding_row_gradient(lc, ids, p[0]));
     }
     double cost_estimate() const override { return 1024.0; } // a gather, not a matmul
     // Its backward keeps only the token ids (int64).

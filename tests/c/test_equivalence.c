@@ -276,7 +276,8 @@ static void layer_zoo_with_cross_entropy_and_sgd_matches_reference(void **state)
     rp_model_destroy(model);
 }
 
-/* int64 inputs through an embedding; gradient rows of unused indices stay zero. */
+/* int64 inputs through an embedding; gradient rows of unused indices stay zero. The call's 30
+ * indices outnumber the 11 rows, so the gradient stays dense (embedding_row_gradient). */
 static void embedding_model_matches_reference(void **state) {
     (void)state;
     const char *spec = "{\"layers\": ["
@@ -314,8 +315,8 @@ static void embedding_model_matches_reference(void **state) {
     rp_model_destroy(model);
 }
 
-/* The embedding's gradient as rows (LayerContext::row_gradients: only the rows its tokens used
- * reach the host), added into a buffer that already holds the previous call's gradient (a
+/* The embedding's gradient as rows (embedding_row_gradient: the call's 30 indices, fewer than the
+ * 97 rows, so only the rows its tokens used reach the host), added into a buffer that already holds the previous call's gradient (a
  * call's contributions are then held until it succeeds) and unscaled by the loss scaler's
  * factor. Two calls per step, indices repeating within a call and differing between the calls,
  * loss scale 8 (a power of two: the unscaled gradient is the same fp32 arithmetic); a row added
@@ -323,7 +324,7 @@ static void embedding_model_matches_reference(void **state) {
 static void embedding_rows_accumulate_over_calls_with_loss_scaling(void **state) {
     (void)state;
     const char *spec = "{\"layers\": ["
-                       "{\"type\": \"embedding\", \"num\": 13, \"dim\": 8},"
+                       "{\"type\": \"embedding\", \"num\": 97, \"dim\": 8},"
                        "{\"type\": \"tanh\"},"
                        "{\"type\": \"flatten\", \"start_dim\": 1},"
                        "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}";
@@ -340,7 +341,7 @@ static void embedding_rows_accumulate_over_calls_with_loss_scaling(void **state)
         for (int call = 0; call < 2; ++call) {
             int64_t idx[ROWS * 3];
             for (int i = 0; i < ROWS * 3; ++i)
-                idx[i] = (i * 5 + 3 * call + it) % (call ? 12 : 7); /* repeats; row 12 unused */
+                idx[i] = (i * 5 + 3 * call + it) % (call ? 23 : 7); /* repeats; rows 23.. unused */
             float y[ROWS * 4];
             ts_fill_uniform(y, ROWS * 4, 500 + 2 * it + call, -1.f, 1.f);
             fb_both(model, ref, cfg, loss, REF_LOSS_MSE, 1.0, 3, (const float *)idx, xs, 2, 1, y,
