@@ -316,11 +316,12 @@ static void embedding_model_matches_reference(void **state) {
 }
 
 /* The embedding's gradient as rows (embedding_row_gradient: the call's 30 indices, fewer than the
- * 97 rows, so only the rows its tokens used reach the host), added into a buffer that already holds the previous call's gradient (a
- * call's contributions are then held until it succeeds) and unscaled by the loss scaler's
- * factor. Two calls per step, indices repeating within a call and differing between the calls,
- * loss scale 8 (a power of two: the unscaled gradient is the same fp32 arithmetic); a row added
- * once, twice or with the wrong factor is off by 1e-1 or more. */
+ * 97 rows, so only the rows its tokens used reach the host), added into a buffer that already
+ * holds the previous call's gradient (a call's contributions are then held until it succeeds)
+ * and unscaled by the loss scaler's factor. Two calls per step, indices repeating within a call
+ * and differing between the calls, loss scale 8 (a power of two: the unscaled gradient is the
+ * same fp32 arithmetic). Checked to fail when the factor is dropped or the held call's rows
+ * are skipped. */
 static void embedding_rows_accumulate_over_calls_with_loss_scaling(void **state) {
     (void)state;
     const char *spec = "{\"layers\": ["
