@@ -276,35 +276,45 @@ static void layer_zoo_with_cross_entropy_and_sgd_matches_reference(void **state)
     rp_model_destroy(model);
 }
 
-/* int64 inputs through an embedding; gradient rows of unused indices stay zero. The call's 30
- * indices outnumber the 11 rows, so the gradient stays dense (embedding_row_gradient). */
-static void embedding_model_matches_reference(void **state) {
-    (void)state;
-    const char *spec = "{\"layers\": ["
-                       "{\"type\": \"embedding\", \"num\": 11, \"dim\": 8},"
-                       "{\"type\": \"layer_norm\", \"dim\": 8},"
-                       "{\"type\": \"flatten\", \"start_dim\": 1},"
-                       "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}";
-    rp_model *model = ts_model(spec, 5, 3, NULL, 0);
-    ref_model *ref = ts_reference_from(model, spec, 5);
-    rp_run_config *cfg = ts_config(4, RP_GRAIN_STAGE);
+/* An embedding model against the reference over two AdamW steps of `calls_per_step` training
+ * calls each; `index` gives input i of a step's call. */
+typedef struct embedding_case {
+    const char *spec;
+    uint64_t seed;
+    int32_t devices, num_microbatch;
+    int calls_per_step;
+    double grad_scale; /* the model's loss scaler; 0: off */
+    uint64_t label_seed;
+    int64_t (*index)(int i, int step, int call);
+    const char *what;
+} embedding_case;
+
+static void run_embedding_case(const embedding_case *c) {
+    rp_model *model = ts_model(c->spec, c->seed, c->devices, NULL, 0);
+    if (c->grad_scale > 0)
+        TS_OK(rp_model_set_grad_scaler(model, c->grad_scale, 1000));
+    ref_model *ref = ts_reference_from(model, c->spec, c->seed);
+    rp_run_config *cfg = ts_config(c->num_microbatch, RP_GRAIN_STAGE);
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_optimizer *opt = NULL;
     TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
     int64_t xs[2] = {ROWS, 3}, ys[2] = {ROWS, 4};
-    for (int it = 0; it < 2; ++it) {
-        int64_t idx[ROWS * 3];
-        for (int i = 0; i < ROWS * 3; ++i)
-            idx[i] = (i * 7 + it) % 10; /* row 10 never used */
-        float y[ROWS * 4];
-        ts_fill_uniform(y, ROWS * 4, 400 + it, -1.f, 1.f);
-        fb_both(model, ref, cfg, loss, REF_LOSS_MSE, 1.0, 4, (const float *)idx, xs, 2, 1, y, ys, 2,
-                0, it, it);
+    for (int step = 0; step < 2; ++step) {
+        for (int call = 0; call < c->calls_per_step; ++call) {
+            const int k = step * c->calls_per_step + call;
+            int64_t idx[ROWS * 3];
+            for (int i = 0; i < ROWS * 3; ++i)
+                idx[i] = c->index(i, step, call);
+            float y[ROWS * 4];
+            ts_fill_uniform(y, ROWS * 4, c->label_seed + (uint64_t)k, -1.f, 1.f);
+            fb_both(model, ref, cfg, loss, REF_LOSS_MSE, 1.0, c->num_microbatch,
+                    (const float *)idx, xs, 2, 1, y, ys, 2, 0, k, step);
+        }
         TS_OK(rp_step(model, opt, 0));
         assert_int_equal(ref_step_adamw(ref, 1e-3, 0.9, 0.999, 1e-8, 1e-2), 0);
         ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-        ts_assert_params_close(w, rw, 1e-4, "weight after AdamW step (defaults)");
+        ts_assert_params_close(w, rw, 1e-4, c->what);
         ts_params_free(w);
         ts_params_free(rw);
     }
@@ -313,6 +323,29 @@ static void embedding_model_matches_reference(void **state) {
     rp_run_config_destroy(cfg);
     ref_destroy(ref);
     rp_model_destroy(model);
+}
+
+static int64_t index_below_10(int i, int step, int call) {
+    (void)call;
+    return (i * 7 + step) % 10; /* row 10 never used */
+}
+
+/* int64 inputs through an embedding; gradient rows of unused indices stay zero. The call's 30
+ * indices outnumber the 11 rows, so the gradient stays dense (embedding_row_gradient). */
+static void embedding_model_matches_reference(void **state) {
+    (void)state;
+    const embedding_case c = {"{\"layers\": ["
+                              "{\"type\": \"embedding\", \"num\": 11, \"dim\": 8},"
+                              "{\"type\": \"layer_norm\", \"dim\": 8},"
+                              "{\"type\": \"flatten\", \"start_dim\": 1},"
+                              "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}",
+                              5, 3, 4, 1, 0.0, 400, index_below_10,
+                              "weight after AdamW step (defaults)"};
+    run_embedding_case(&c);
+}
+
+static int64_t index_repeating(int i, int step, int call) {
+    return (i * 5 + 3 * call + step) % (call ? 23 : 7); /* repeats; rows 23.. unused */
 }
 
 /* The embedding's gradient as rows (embedding_row_gradient: the call's 30 indices, fewer than the
@@ -324,42 +357,14 @@ static void embedding_model_matches_reference(void **state) {
  * are skipped. */
 static void embedding_rows_accumulate_over_calls_with_loss_scaling(void **state) {
     (void)state;
-    const char *spec = "{\"layers\": ["
-                       "{\"type\": \"embedding\", \"num\": 97, \"dim\": 8},"
-                       "{\"type\": \"tanh\"},"
-                       "{\"type\": \"flatten\", \"start_dim\": 1},"
-                       "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}";
-    rp_model *model = ts_model(spec, 6, 2, NULL, 0);
-    TS_OK(rp_model_set_grad_scaler(model, 8.0, 1000));
-    ref_model *ref = ts_reference_from(model, spec, 6);
-    rp_run_config *cfg = ts_config(3, RP_GRAIN_STAGE);
-    rp_loss *loss = NULL;
-    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_optimizer *opt = NULL;
-    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
-    int64_t xs[2] = {ROWS, 3}, ys[2] = {ROWS, 4};
-    for (int it = 0; it < 2; ++it) {
-        for (int call = 0; call < 2; ++call) {
-            int64_t idx[ROWS * 3];
-            for (int i = 0; i < ROWS * 3; ++i)
-                idx[i] = (i * 5 + 3 * call + it) % (call ? 23 : 7); /* repeats; rows 23.. unused */
-            float y[ROWS * 4];
-            ts_fill_uniform(y, ROWS * 4, 500 + 2 * it + call, -1.f, 1.f);
-            fb_both(model, ref, cfg, loss, REF_LOSS_MSE, 1.0, 3, (const float *)idx, xs, 2, 1, y,
-                    ys, 2, 0, 2 * it + call, it);
-        }
-        TS_OK(rp_step(model, opt, 0));
-        assert_int_equal(ref_step_adamw(ref, 1e-3, 0.9, 0.999, 1e-8, 1e-2), 0);
-        ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-        ts_assert_params_close(w, rw, 1e-4, "weight after AdamW step (two calls, loss scale 8)");
-        ts_params_free(w);
-        ts_params_free(rw);
-    }
-    rp_optimizer_destroy(opt);
-    rp_loss_destroy(loss);
-    rp_run_config_destroy(cfg);
-    ref_destroy(ref);
-    rp_model_destroy(model);
+    const embedding_case c = {"{\"layers\": ["
+                              "{\"type\": \"embedding\", \"num\": 97, \"dim\": 8},"
+                              "{\"type\": \"tanh\"},"
+                              "{\"type\": \"flatten\", \"start_dim\": 1},"
+                              "{\"type\": \"linear\", \"in\": 24, \"out\": 4}]}",
+                              6, 2, 3, 2, 8.0, 500, index_repeating,
+                              "weight after AdamW step (two calls, loss scale 8)"};
+    run_embedding_case(&c);
 }
 
 /* RP_LOSS_OUTPUT: the model's one-element output per microbatch is the loss. */
