@@ -112,16 +112,14 @@ bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tenso
 
 bool GradAccumulator::may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
                                         double factor) {
-    if (final_ || dp_ || lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 ||
-        grad.is_sparse() || (p < jobs_per_param_.size() && jobs_per_param_[p] > 1) ||
-        grad.scalar_type() != at::kBFloat16 || dst.scalar_type() != at::kFloat ||
-        !grad.is_contiguous() || grad.sizes() != dst.sizes() || store_.grad_lent(p))
+    // Only a gradient one job delivers whole: a second job's part (a tied weight) would have to
+    // widen the first before adding.
+    const bool one_job = p < jobs_per_param_.size() && jobs_per_param_[p] == 1;
+    if (final_ || dp_ || lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 || !one_job ||
+        grad.is_sparse() || grad.scalar_type() != at::kBFloat16 ||
+        dst.scalar_type() != at::kFloat || !grad.is_contiguous() || grad.sizes() != dst.sizes() ||
+        store_.grad_lent(p))
         return false;
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (touched_.count(p)) // the call's second contribution (a tied weight)
-            return false;
-    }
     return store_.lent_bytes() + static_cast<int64_t>(grad.nbytes()) <= lend_limit_;
 }
 

@@ -58,8 +58,9 @@ class GradAccumulator {
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
     // `jobs_per_param`: per parameter, how many of the call's jobs deliver a gradient of it
-    // (data parallel: job_done says when each has); empty: one each.
-    void begin_call(bool buffers_zero, double factor, const std::vector<int> &jobs_per_param = {});
+    // (data parallel: job_done says when each has; standard mode: only a gradient of one job is
+    // lent).
+    void begin_call(bool buffers_zero, double factor, const std::vector<int> &jobs_per_param);
     // Whether this call's contributions may be row gradients (sparse COO host tensors): not
     // when they are averaged over ranks (the reducer's buckets are dense) nor with in-call steps
     // (the listener reads dense gradients). Caller thread, after begin_call / report_final.
