@@ -5,7 +5,11 @@ Per device, over the steady state (from the first compute to the last compute of
   compute_idle_fraction     share of that window with no compute running on the device;
   weight_upload_hidden      share of weight-upload time that overlaps compute on the same device;
   *_ms                      total time of each stream;
-  *_bytes                   bytes each transfer stream moved (the sum of its events' args.bytes).
+  *_bytes                   bytes each transfer stream moved (the sum of its events' args.bytes);
+  *_waited_ms               GPUs: per stream, the time its events waited between being enqueued
+                            by the host (args.enqueued_us) and starting on the device (behind
+                            the stream's earlier work, an event of another stream, or a busy copy
+                            engine), and *_waited_max_ms the longest such wait.
 Host threads: host_ms, each thread's busy time by span kind; host_ms_after_pipeline, the part of
 it after the caller's "pipeline" span ended (work the devices' time did not hide).
 
@@ -36,7 +40,7 @@ def overlap(interval, merged):
 
 
 def summarise(events):
-    devices, moved = {}, {}
+    devices, moved, waited = {}, {}, {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") == "host":
             continue  # metadata and host spans: summarised below
@@ -45,6 +49,9 @@ def summarise(events):
         if "bytes" in e.get("args", {}):  # transfers carry the bytes they moved
             per_stream = moved.setdefault(e["pid"], {})
             per_stream[e["tid"]] = per_stream.get(e["tid"], 0) + e["args"]["bytes"]
+        if "enqueued_us" in e.get("args", {}):  # GPUs: when the host enqueued it
+            wait = max(0.0, (e["ts"] - e["args"]["enqueued_us"]) / 1000.0)
+            waited.setdefault(e["pid"], {}).setdefault(e["tid"], []).append(wait)
     out = {}
     for device, streams in sorted(devices.items()):
         compute = union(streams.get("compute", []))
@@ -62,6 +69,10 @@ def summarise(events):
             **{f"{name}_ms": round(sum(b - a for a, b in spans), 3)
                for name, spans in sorted(streams.items())},
             **{f"{name}_bytes": total for name, total in sorted(moved.get(device, {}).items())},
+            **{f"{name}_waited_ms": round(sum(w), 3)
+               for name, w in sorted(waited.get(device, {}).items())},
+            **{f"{name}_waited_max_ms": round(max(w), 3)
+               for name, w in sorted(waited.get(device, {}).items())},
         }
     host, after = {}, {}
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "host"]

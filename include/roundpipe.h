@@ -683,7 +683,9 @@ RP_API rp_status rp_model_host_state_bytes(int64_t *out_bytes, int64_t *out_elem
  * start, measured with CUDA events on GPUs and the host clock on CPU devices (which record compute
  * only). Each event's args name the job, the stage and the kind (forward, tail, backward); a
  * transfer's args also hold "bytes", the bytes it moved, and "content", what it carried ("weights",
- * "activations" or "gradients": the stage's weight gradients). The host is one more process
+ * "activations" or "gradients": the stage's weight gradients). On GPUs an event's args also hold
+ * "enqueued_us", when the host enqueued the work (same clock as "ts"): a start well after it is
+ * a stream waiting on the device, not a late host. The host is one more process
  * ("host") with one thread per host activity ("caller", "optimizer", "gradients").
  * @param out_json receives the text; library-owned, valid until the next call on this model.
  * Thread: the thread driving this model.

@@ -41,6 +41,8 @@ std::string chrome_trace_json(const std::vector<TraceEvent> &events,
                 args["bytes"] = e.bytes;
             if (!e.content.empty())
                 args["content"] = e.content;
+            if (e.enqueued_us >= 0)
+                args["enqueued_us"] = e.enqueued_us;
             event["args"] = std::move(args);
         }
         out.push_back(std::move(event));

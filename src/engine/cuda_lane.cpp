@@ -56,10 +56,12 @@ class CudaLane final : public DeviceLane {
         c10::cuda::CUDAGuard guard(device_);
         // One zero event per stream, all recorded now: spans on different streams compare.
         zero_ = record(compute_);
+        host_zero_ = Clock::now(); // the stream is idle here: the two clocks start together
     }
 
     Transfer upload_weights(const std::vector<at::Tensor> &host, size_t job) override {
         c10::cuda::CUDAStreamGuard guard(weights_);
+        const double enqueued = host_ms();
         auto start = record(weights_);
         Transfer t;
         for (const at::Tensor &h : host) {
@@ -80,7 +82,7 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(weights_);
         t.ready = end;
-        mark("weights", job, start, end, bytes_of(host), "weights");
+        mark("weights", job, start, end, enqueued, bytes_of(host), "weights");
         return t;
     }
 
@@ -88,6 +90,7 @@ class CudaLane final : public DeviceLane {
         c10::cuda::CUDAStreamGuard guard(activations_);
         if (from.ready)
             std::static_pointer_cast<Event>(from.ready)->block(activations_);
+        const double enqueued = host_ms();
         auto start = record(activations_);
         Transfer t;
         int64_t moved = 0; // tensors already on this GPU cost no transfer
@@ -104,7 +107,7 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(activations_);
         t.ready = end;
-        mark("activation_upload", job, start, end, moved, "activations");
+        mark("activation_upload", job, start, end, enqueued, moved, "activations");
         return t;
     }
 
@@ -118,6 +121,7 @@ class CudaLane final : public DeviceLane {
         auto computed = after ? std::static_pointer_cast<Event>(after) : record(compute_);
         c10::cuda::CUDAStreamGuard guard(download_);
         computed->block(download_);
+        const double enqueued = host_ms();
         auto start = record(download_);
         Transfer t;
         int64_t moved = 0; // tensors already on the host cost no transfer
@@ -134,7 +138,7 @@ class CudaLane final : public DeviceLane {
         }
         auto end = record(download_);
         t.ready = end;
-        mark("download", job, start, end, moved,
+        mark("download", job, start, end, enqueued, moved,
              payload == Payload::Gradients ? "gradients" : "activations");
         return t;
     }
@@ -157,8 +161,13 @@ class CudaLane final : public DeviceLane {
             poll([&] { return event->query(); });
     }
 
-    void compute_begin(size_t) override { compute_start_ = record(compute_); }
-    void compute_end(size_t job) override { mark("compute", job, compute_start_, record(compute_)); }
+    void compute_begin(size_t) override {
+        compute_enqueued_ = host_ms();
+        compute_start_ = record(compute_);
+    }
+    void compute_end(size_t job) override {
+        mark("compute", job, compute_start_, record(compute_), compute_enqueued_);
+    }
 
     std::vector<TraceSpan> finish() override {
         c10::cuda::CUDAGuard guard(device_);
@@ -172,7 +181,7 @@ class CudaLane final : public DeviceLane {
         std::vector<TraceSpan> spans;
         for (const Mark &m : marks_)
             spans.push_back({m.what, m.job, zero_->elapsed_time(*m.start),
-                             zero_->elapsed_time(*m.end), m.bytes, m.content});
+                             zero_->elapsed_time(*m.end), m.bytes, m.content, m.enqueued});
         marks_.clear();
         return spans;
     }
@@ -190,14 +199,21 @@ class CudaLane final : public DeviceLane {
         std::string what;
         size_t job;
         std::shared_ptr<Event> start, end;
+        double enqueued;
         int64_t bytes;
         const char *content;
     };
 
+    using Clock = std::chrono::steady_clock;
+    double host_ms() const {
+        return std::chrono::duration<double, std::milli>(Clock::now() - host_zero_).count();
+    }
+
     void mark(const char *what, size_t job, std::shared_ptr<Event> start,
-              std::shared_ptr<Event> end, int64_t bytes = -1, const char *content = "") {
+              std::shared_ptr<Event> end, double enqueued, int64_t bytes = -1,
+              const char *content = "") {
         std::lock_guard<std::mutex> lock(mutex_);
-        marks_.push_back({what, job, std::move(start), std::move(end), bytes, content});
+        marks_.push_back({what, job, std::move(start), std::move(end), enqueued, bytes, content});
     }
 
     at::Device device_;
@@ -205,6 +221,8 @@ class CudaLane final : public DeviceLane {
     std::mutex mutex_;
     std::shared_ptr<Event> zero_;
     std::shared_ptr<Event> compute_start_;
+    double compute_enqueued_ = 0;
+    Clock::time_point host_zero_ = Clock::now();
     std::vector<Mark> marks_;
 };
 

@@ -31,6 +31,11 @@ struct TraceSpan {
     // What a transfer carries: "weights", "activations" or "gradients" (weight gradients);
     // empty for compute.
     std::string content;
+    // When the host enqueued the work, on the host clock from the lane's begin_call (-1: not
+    // recorded; CPU devices run it as they enqueue it). The gap to start_ms tells a stream that
+    // waited on the device (a copy engine busy, an event not yet reached) from a host thread
+    // that enqueued late.
+    double enqueued_ms = -1;
 };
 
 // What a download carries, for the timing record.

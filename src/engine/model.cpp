@@ -759,6 +759,8 @@ std::vector<TraceEvent> Model::trace() const {
             e.stage = job.stage;
             e.bytes = span.bytes;
             e.content = span.content;
+            if (span.enqueued_ms >= 0)
+                e.enqueued_us = (device_offset_ms + span.enqueued_ms) * 1000.0;
             events.push_back(std::move(e));
         }
     for (const HostTimeline::Span &h : host) {

@@ -17,6 +17,7 @@ struct TraceEvent {
     std::string kind;
     int64_t bytes = -1; // transfers: bytes moved; -1 for compute and host events
     std::string content; // transfers: "weights", "activations" or "gradients"
+    double enqueued_us = -1; // GPU events: when the host enqueued the work (-1: not recorded)
 };
 
 } // namespace rp

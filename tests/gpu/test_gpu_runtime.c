@@ -102,6 +102,7 @@ static void model_four_times_the_cap_trains_under_the_cap(void **state) {
     assert_non_null(strstr(trace, "\"tid\":\"compute\""));
     assert_non_null(strstr(trace, "\"tid\":\"weights\""));
     assert_non_null(strstr(trace, "\"tid\":\"download\""));
+    assert_non_null(strstr(trace, "\"enqueued_us\"")); /* GPU events say when they were enqueued */
     rp_model_destroy(m);
 
     /* The same model and data on a CPU device: the engine there matches the plain libtorch
