@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 
 #include "base/error.h"
@@ -253,6 +254,7 @@ std::vector<at::Tensor> Model::forward(const std::vector<at::Tensor> &inputs,
     ctx.output_device = cfg.output_device;
     ctx.grain = cfg.grain;
     gate_call(ctx);
+    offer_next_call_weights(ctx);
     pipeline_.run(ctx);
     return finish_outputs(std::move(ctx.outputs), cfg.merge_output, inputs);
 }
@@ -336,6 +338,7 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
                                   const std::function<void()> &after_run) {
     ctx.gradients = &gradients_;
     gate_call(ctx);
+    offer_next_call_weights(ctx);
     // Data parallel on GPUs: the ranks' jobs meet pairwise in per-GPU collectives, so every
     // rank must run this call's job layout. Each parameter's jobs: the reducer waits for them,
     // and the accumulator does not lend a gradient a second job adds to.
@@ -417,6 +420,39 @@ void Model::gate_call(CallContext &ctx) const {
     }
 }
 
+void Model::offer_next_call_weights(CallContext &ctx) const {
+    // RP_NEXT_CALL_WEIGHTS=0 turns this off, to measure what it gives.
+    static const bool enabled = [] {
+        const char *v = std::getenv("RP_NEXT_CALL_WEIGHTS");
+        return !(v && std::string(v) == "0");
+    }();
+    // Memory-saving mode has one weight copy, which the next step rewrites in place.
+    if (!enabled || store_.saving() || pipeline_.device(0).is_cpu())
+        return;
+    // A step handed over and not yet published writes `staged`, which the next rp_step swaps
+    // in (one publish); with none, the next call reads `live` as it is now.
+    const bool pending = published_ < enqueued_;
+    const int64_t step = enqueued_;
+    const uint64_t version = store_.weights_version() + (pending ? 1 : 0);
+    ctx.next_call_weights = [this, pending, step, version](const std::vector<size_t> &params,
+                                                           uint64_t *expected) {
+        std::vector<at::Tensor> sources;
+        std::vector<size_t> trained;
+        for (size_t pi : params) {
+            const Param &p = store_.at(pi);
+            if (p.role == ParamRole::Buffer)
+                return std::vector<at::Tensor>(); // a forward job may write it before then
+            if (p.trainable())
+                trained.push_back(pi);
+            sources.push_back(pending && p.staged.defined() ? p.staged : p.live);
+        }
+        if (pending && !gate_.is_open(trained, step))
+            return std::vector<at::Tensor>(); // the step has not written them all yet
+        *expected = version;
+        return sources;
+    };
+}
+
 void Model::publish_completed_step() {
     if (published_ == enqueued_)
         return;
@@ -492,8 +528,11 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
     auto param_done = [&](size_t i, bool published) {
         if (saving)
             param_finished(i, published, finished, number);
-        else // the next call reads `staged` only once the whole step is published
+        else { // the next call reads `staged` once the step is published
             finished[i] = published;
+            if (published) // final: the next call's weights may go up before then
+                gate_.open(i, number);
+        }
     };
     // Whatever the update does, the weight copy and the gradient buffer are left ready for the
     // next call; the error (if any) is reported by the next waiting call.
@@ -525,9 +564,8 @@ void Model::finish_unfinished(const std::vector<bool> &finished, int64_t number)
             else
                 store_.finish_standard_step(i);
         }
-    if (store_.saving())
-        gate_.open_all(number);
-    else
+    gate_.open_all(number);
+    if (!store_.saving())
         store_.release_step_grads();
 }
 
@@ -750,7 +788,8 @@ std::vector<TraceEvent> Model::trace() const {
         for (const TraceSpan &span : job.spans) {
             TraceEvent e;
             e.kind = kinds[static_cast<int>(job.kind)];
-            e.name = e.kind + " stage " + std::to_string(job.stage);
+            e.name = (job.next_call ? "next call's " : "") + e.kind + " stage " +
+                     std::to_string(job.stage);
             e.lane = span.what;
             e.device = static_cast<int>(job.device);
             e.start_us = (device_offset_ms + span.start_ms) * 1000.0;

@@ -224,11 +224,15 @@ class Model {
     // the update refreshed its weight copy and zeroed its gradient); it opens to the next call.
     void param_finished(size_t i, bool published, std::vector<bool> &finished, int64_t number);
     // Optimizer thread, at the end of step `number`, whatever happened: every parameter it did
-    // not finish gets its weight copy refreshed and its gradient zeroed, and (saving mode) every
-    // parameter opens to the next call. Explicit and in-call steps alike.
+    // not finish gets its weight copy refreshed and its gradient zeroed, and every parameter
+    // opens (gate_): to the next call in saving mode, to the next call's early upload in the
+    // standard mode. Explicit and in-call steps alike.
     void finish_unfinished(const std::vector<bool> &finished, int64_t number);
     bool step_may_proceed(const GradFlags::Snapshot &grads, int64_t number);
     void gate_call(CallContext &ctx) const;
+    // Standard mode on GPUs: lets the call upload, during each device's last job, the weights
+    // the next call's first job there will read (CallContext::next_call_weights).
+    void offer_next_call_weights(CallContext &ctx) const;
     void check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,
                            const Loss *loss);
     double layer_param_bytes(size_t layer) const;

@@ -267,6 +267,7 @@ void ParamStore::finish_standard_step(size_t i) {
 }
 
 void ParamStore::publish_staged() {
+    ++weights_version_;
     for (Param &p : params_)
         if (p.staged.defined())
             std::swap(p.live, p.staged);
@@ -286,6 +287,7 @@ void ParamStore::finish_step(size_t i) {
 }
 
 void ParamStore::refresh_live_from_master() {
+    ++weights_version_;
     for (Param &p : params_)
         copy_master_to_weights(p);
 }

@@ -107,6 +107,11 @@ class ParamStore {
     // Memory-saving mode, optimizer thread: parameter i's live copy = master, gradient = 0.
     void finish_step(size_t i);
     void refresh_live_from_master(); // live (and staged) = master (nothing in flight)
+    // Counts the changes to the weights the devices read made outside an optimizer step: a
+    // publish (which live tensor is which) and a refresh from the masters (their values). A
+    // weight upload kept for a later call (CarriedWeights) is still good only while this
+    // count is the one it expects.
+    uint64_t weights_version() const { return weights_version_.load(); }
 
   private:
     // live and staged = master, where they are buffers of their own.
@@ -118,6 +123,7 @@ class ParamStore {
     HostMemoryMode mode_;
     std::vector<void *> registered_; // host ranges to unregister at destruction
     std::atomic<int64_t> lent_bytes_{0}; // landed and step_landed (written by two threads)
+    std::atomic<uint64_t> weights_version_{0};
 };
 
 } // namespace rp

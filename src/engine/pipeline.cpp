@@ -27,6 +27,36 @@ Error stage_out_of_memory(const Stage &st, JobKind kind, size_t stage, const at:
 
 } // namespace
 
+std::function<void()> Pipeline::next_call_upload(CallContext &ctx,
+                                                 const std::vector<CallJob> &jobs, size_t d) {
+    const size_t G = workers_.size(), num_jobs = jobs.size();
+    // The next call starts at the device after the one this call's cursor ends on; expect it to
+    // run the same jobs (its first job on d checks, and drops the upload if not).
+    const size_t next_cursor = (cursor_ + num_jobs) % G;
+    const size_t first = (d + G - next_cursor) % G;
+    if (first >= num_jobs)
+        return {};
+    const Stage &stage = job_stage(ctx, jobs[first].kind, jobs[first].stage);
+    JobTrace &trace = trace_[num_jobs + d];
+    trace.stage = jobs[first].stage;
+    trace.kind = jobs[first].kind;
+    DeviceLane &lane = workers_[d]->lane();
+    CarriedWeights *out = &carried_[d];
+    return [&ctx, &lane, &stage, out, tag = trace.job] {
+        try {
+            CarriedWeights c;
+            c.params = stage_params(ctx, stage);
+            c.sources = ctx.next_call_weights(c.params, &c.version);
+            if (c.sources.empty())
+                return; // not final yet: the next call uploads them itself
+            c.transfer = lane.upload_weights(c.sources, tag);
+            *out = std::move(c);
+        } catch (...) {
+            // Only a head start: whatever went wrong, the next call uploads as usual.
+        }
+    };
+}
+
 void Pipeline::run(CallContext &ctx) {
     const size_t M = ctx.num_microbatches();
     const std::vector<CallJob> jobs = call_jobs(ctx);
@@ -42,34 +72,62 @@ void Pipeline::run(CallContext &ctx) {
     for (auto &w : workers_)
         w->lane().begin_call();
     trace_.clear();
+    // What the last call uploaded for this one: each device's first job takes its own, or drops
+    // it (and its device memory) before uploading anything else.
+    std::vector<CarriedWeights> carried_in = std::move(carried_);
+    carried_in.resize(G);
+    carried_.assign(G, CarriedWeights());
     ctx.job_device.resize(num_jobs);
-    for (size_t job = 0; job < num_jobs; ++job)
+    for (size_t job = 0; job < num_jobs; ++job) {
         ctx.job_device[job] = (cursor_ + job) % G;
+        trace_.push_back({job, jobs[job].stage, ctx.job_device[job], jobs[job].kind, {}});
+    }
+    for (size_t d = 0; d < G; ++d) // the uploads for the next call, should there be any
+        trace_.push_back({num_jobs + d, 0, d, JobKind::Forward, {}, true});
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
         const size_t device = ctx.job_device[job];
         const JobKind kind = jobs[job].kind;
         const size_t stage = jobs[job].stage;
         const Stage &layers = job_stage(ctx, kind, stage);
-        trace_.push_back({job, stage, device, kind, {}});
         DeviceLane &lane = workers_[device]->lane();
         // The prefetch (weight upload) and the run share the uploaded weights and any failure.
         auto weights = std::make_shared<Transfer>();
         auto prefetch_error = std::make_shared<std::exception_ptr>();
         StageJob j;
-        j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job] {
+        // Jobs 0 to G - 1 are the first on their devices.
+        CarriedWeights *carried = job < G ? &carried_in[device] : nullptr;
+        j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job, carried] {
             try {
+                if (carried) {
+                    CarriedWeights c = std::move(*carried);
+                    const std::vector<size_t> params = stage_params(ctx, layers);
+                    std::vector<at::Tensor> live;
+                    for (size_t pi : params)
+                        live.push_back(ctx.store.at(pi).live);
+                    if (carried_weights_match(c, params, live, ctx.store.weights_version())) {
+                        *weights = std::move(c.transfer);
+                        return;
+                    }
+                }
                 *weights = upload_stage_weights(ctx, layers, lane, job);
             } catch (...) {
                 *prefetch_error = std::current_exception();
             }
         };
         j.ready = [&ctx, &layers] { return stage_weights_ready(ctx, layers); };
-        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, &layers, job] {
+        // The device's last job: once its own work is enqueued (so that its activation uploads
+        // are not queued behind these weights), the upload for the next call.
+        std::function<void()> carry;
+        if (ctx.next_call_weights && job + G >= num_jobs && lane.device().is_cuda())
+            carry = next_call_upload(ctx, jobs, device);
+        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, &layers, job, carry] {
             try {
                 if (*prefetch_error)
                     std::rethrow_exception(*prefetch_error);
                 run_stage_job(ctx, kind, job, stage, lane, *weights);
+                if (carry)
+                    carry();
             } catch (const CallAborted &) {
                 // Another job failed first; its error is the one reported.
             } catch (const c10::OutOfMemoryError &e) {
@@ -94,7 +152,7 @@ void Pipeline::run(CallContext &ctx) {
         try {
             std::vector<TraceSpan> spans = workers_[d]->lane().finish();
             for (TraceSpan &span : spans)
-                trace_[span.job].spans.push_back(span);
+                trace_[span.job].spans.push_back(span); // next-call uploads: num_jobs + device
         } catch (...) {
             devices_done = false;
             if (!error)
@@ -104,6 +162,7 @@ void Pipeline::run(CallContext &ctx) {
     cursor_ = (cursor_ + num_jobs) % G;
     ctx.state = nullptr;
     if (error) {
+        carried_.assign(G, CarriedWeights()); // the next call starts from a clean device
         // Drop the failed call's tensors, then give their cached blocks back, so an
         // out-of-memory call leaves the devices as empty as they were.
         ctx.stage_inputs.clear();

@@ -2,9 +2,11 @@
 // stages deepest first) go to device (cursor + job) mod G, and the cursor carries across calls so
 // the device that ended one call is not the one that starts the next.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
+#include "engine/carried_weights.h"
 #include "engine/device_worker.h"
 #include "engine/stage_executor.h"
 
@@ -15,6 +17,7 @@ struct JobTrace {
     size_t job, stage, device;
     JobKind kind;
     std::vector<TraceSpan> spans;
+    bool next_call = false; // the upload for the next call's first job on the device
 };
 
 class Pipeline {
@@ -35,9 +38,15 @@ class Pipeline {
     }
 
   private:
+    // Run by device d's last job of the call, after it has enqueued its work: uploads what the
+    // next call's first job on d will read, into carried_[d] (carried_weights.h).
+    std::function<void()> next_call_upload(CallContext &ctx, const std::vector<CallJob> &jobs,
+                                           size_t d);
+
     std::vector<std::unique_ptr<DeviceWorker>> workers_;
     size_t cursor_ = 0;
     std::vector<JobTrace> trace_;
+    std::vector<CarriedWeights> carried_; // per device, for the next call
 };
 
 } // namespace rp

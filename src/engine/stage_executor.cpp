@@ -378,8 +378,6 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
 
 } // namespace
 
-namespace {
-
 std::vector<size_t> stage_params(const CallContext &ctx, const Stage &stage) {
     std::vector<size_t> params;
     for (size_t l = stage.first_layer; l < stage.end_layer; ++l)
@@ -387,8 +385,6 @@ std::vector<size_t> stage_params(const CallContext &ctx, const Stage &stage) {
             params.push_back(pi);
     return params;
 }
-
-} // namespace
 
 CallContext::CallContext(const std::vector<std::unique_ptr<Layer>> &layers_,
                          const std::vector<Stage> &stages_,

@@ -1,6 +1,7 @@
 // What one stage job computes: a forward stage, the fused tail stage (forward, loss, backward
 // without recompute) or a backward stage (recompute, then backward), over all microbatches.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -83,6 +84,13 @@ struct CallContext {
     DataParallel *device_reduction = nullptr;
     // Embeddings may give row (sparse) gradients; see LayerContext::row_gradients.
     bool row_gradients = false;
+    // Standard mode, GPUs: the host tensors whose values `params` will have in the next call,
+    // once they are final (the step running beside this call has written them), with the
+    // ParamStore::weights_version that call must find; empty when not final yet. Pipeline::run
+    // uploads them during each device's last job, for its first job of the next call
+    // (carried_weights.h). Unset: no such upload.
+    std::function<std::vector<at::Tensor>(const std::vector<size_t> &params, uint64_t *version)>
+        next_call_weights;
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };
@@ -99,6 +107,9 @@ struct CallJob {
     size_t stage; // index into the list job_stage reads
 };
 std::vector<CallJob> call_jobs(const CallContext &ctx);
+
+// The parameters `stage`'s layers read, in layer order (the order of its weight uploads).
+std::vector<size_t> stage_params(const CallContext &ctx, const Stage &stage);
 
 // Whether the weights of `stage` may be uploaded now without waiting for the optimizer.
 bool stage_weights_ready(const CallContext &ctx, const Stage &stage);

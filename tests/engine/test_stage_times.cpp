@@ -39,7 +39,7 @@ void check(bool ok, const char *what) {
 // weight upload before them (which must not count).
 rp::JobTrace job(size_t index, size_t stage, rp::JobKind kind, std::vector<double> compute_ms,
                  double start = 0) {
-    rp::JobTrace j{index, stage, 0, kind, {}};
+    rp::JobTrace j{index, stage, 0, kind, {}, false};
     j.spans.push_back({"weights", index, start - 7, start, 1 << 20, "weights"});
     for (double ms : compute_ms) {
         j.spans.push_back({"compute", index, start, start + ms, -1, ""});
@@ -76,6 +76,15 @@ void jobs_of_another_plan_are_left_out() {
     trace.push_back(job(3, 2, rp::JobKind::Forward, {1000}));
     const rp::StageTimes t = rp::stage_times_of(trace, two_stages, false);
     check_times(t.weight, {64, 10.5}, "a job of a stage the plan lacks changes nothing");
+}
+
+void uploads_for_the_next_call_are_left_out() {
+    std::vector<rp::JobTrace> trace = fused_call(1);
+    rp::JobTrace next = job(3, 0, rp::JobKind::Forward, {});
+    next.next_call = true; // only a weight upload, no compute
+    trace.push_back(next);
+    const rp::StageTimes t = rp::stage_times_of(trace, two_stages, false);
+    check_times(t.forward, {22, -1}, "the next call's upload is no forward job of 0 ms");
 }
 
 void fastest_takes_each_stage_shorter_time() {
@@ -118,6 +127,7 @@ int main() {
     one_device_sums_the_jobs();
     several_devices_take_the_longest_job();
     jobs_of_another_plan_are_left_out();
+    uploads_for_the_next_call_are_left_out();
     fastest_takes_each_stage_shorter_time();
     unmeasured_never_wins();
     another_plan_replaces_the_times();

@@ -2,7 +2,8 @@
  * test_gpu_runtime.c - the GPU streaming runtime on a real GPU: a model four times larger than
  * the GPU memory cap trains while the allocator's measured peak stays under the cap; an
  * out-of-memory stage is reported with advice and leaves the model usable; the timing record
- * holds every stream; the LM head's loss chunks follow a small cap. Skips (exit 77) without a visible GPU.
+ * holds every stream; the LM head's loss chunks follow a small cap; weights uploaded for the next
+ * call during the last one's last job give the results of a CPU device. Skips (exit 77) without a visible GPU.
  *
  * RP_TRACE_OUT=<file>: also writes the large model's last timing record there (Chrome trace).
  */
@@ -12,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* 32 residual blocks of 2048 -> 4096 -> 2048: 67 MB of fp32 weights each, 2.1 GB in all, so the
  * 32 MiB cuBLAS workspace of a stream is small next to the cap. */
@@ -232,6 +234,126 @@ static void lm_head_loss_chunks_follow_a_small_cap(void **state) {
     free(ids);
 }
 
+/* The weights of a call's first job, uploaded during the previous call's last job
+ * (src/engine/carried_weights.h), against the same calls on a CPU device, where nothing is
+ * carried: fp32, TF32 off, AdamW at a learning rate (1e-2) at which weights one step stale move
+ * a loss by far more than the tolerance. Async steps with a pause after each (the step is done
+ * before the next call, so its weights go up early), then the sequences in which an early upload
+ * must not be used: two calls for one step, rp_synchronize (which republishes the weights), a
+ * master written by the caller, a forward call between training calls. On one GPU the next
+ * call's first job is stage 0: a call that took the early upload has no upload of its own for
+ * "forward stage 0", and the call before it shows "next call's forward stage 0". */
+enum { SMALL_BLOCKS = 6, SMALL_DIM = 256, SMALL_ROWS = 32, CALLS = 10 };
+
+static rp_model *planned_model(int32_t kind) {
+    char spec[1024] = "{\"layers\":[";
+    for (int i = 0; i < SMALL_BLOCKS; ++i) {
+        char entry[96];
+        snprintf(entry, sizeof entry, "%s{\"type\":\"residual_mlp\",\"dim\":%d,\"hidden\":%d}",
+                 i ? "," : "", SMALL_DIM, 2 * SMALL_DIM);
+        strcat(spec, entry);
+    }
+    strcat(spec, "]}");
+    const int32_t plan[3] = {2, 2, 2};
+    rp_model_options *o = NULL;
+    TS_OK(rp_model_options_create(&o));
+    TS_OK(rp_model_options_set_devices(o, kind, 1));
+    TS_OK(rp_model_options_set_stage_plan(o, plan, 3));
+    TS_OK(rp_model_options_set_seed(o, 11));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create(&m, spec, o));
+    rp_model_options_destroy(o);
+    return m;
+}
+
+static void pause_for_the_step(void) {
+    struct timespec ts = {0, 50 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static int has(const char *trace, const char *needle) { return strstr(trace, needle) != NULL; }
+
+/* Runs the sequence; per training call its loss and, on a GPU, whether its trace shows an
+ * upload for the next call (`carried`) and whether it uploaded stage 0 itself (`own`). */
+static void run_sequence(rp_model *m, double *losses, int *carried, int *own) {
+    int64_t xs[2] = {SMALL_ROWS, SMALL_DIM};
+    float x[SMALL_ROWS * SMALL_DIM], y[SMALL_ROWS * SMALL_DIM];
+    ts_fill_uniform(x, SMALL_ROWS * SMALL_DIM, 3, -1, 1);
+    ts_fill_uniform(y, SMALL_ROWS * SMALL_DIM, 4, -1, 1);
+    DLManagedTensor *in = ts_f32(2, xs, x), *lab = ts_f32(2, xs, y);
+    const DLManagedTensor *inputs[1] = {in};
+    rp_loss *mse = NULL;
+    TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, 1e-2));
+    for (int call = 0; call < CALLS; ++call) {
+        TS_OK(rp_forward_backward(&losses[call], NULL, m, inputs, 1, lab, mse, NULL));
+        const char *trace = NULL;
+        TS_OK(rp_model_trace_json(&trace, m));
+        carried[call] = has(trace, "\"name\":\"next call's forward stage 0\"");
+        own[call] = has(trace, "\"name\":\"forward stage 0\",\"ph\":\"X\",\"pid\":0,"
+                               "\"tid\":\"weights\"");
+        if (call == 4)
+            continue; /* calls 4 and 5 accumulate for one step */
+        TS_OK(rp_step(m, opt, 1));
+        pause_for_the_step();
+        if (call == 6)
+            TS_OK(rp_synchronize(m)); /* republishes: an upload from call 6 is stale */
+        if (call == 7) {
+            float v[SMALL_DIM];
+            for (int i = 0; i < SMALL_DIM; ++i)
+                v[i] = 0.75f;
+            assert_int_equal(ts_param_numel(m, 0), SMALL_DIM);
+            ts_set_master(m, 0, v, SMALL_DIM); /* the caller's write, published */
+        }
+        if (call == 8) {
+            rp_tensor_list *outs = NULL;
+            TS_OK(rp_forward(&outs, m, inputs, 1, NULL));
+            rp_tensor_list_destroy(outs);
+        }
+    }
+    TS_OK(rp_synchronize(m));
+    rp_optimizer_destroy(opt);
+    rp_loss_destroy(mse);
+    ts_free(in);
+    ts_free(lab);
+}
+
+static void early_uploads_for_the_next_call_give_the_cpu_results(void **state) {
+    (void)state;
+    double gpu[CALLS], cpu[CALLS];
+    int carried[CALLS], own[CALLS], unused[CALLS];
+    rp_model *g = planned_model(RP_DEVICE_CUDA);
+    run_sequence(g, gpu, carried, own);
+    ts_params *gw = ts_masters(g);
+    rp_model_destroy(g);
+    rp_model *c = planned_model(RP_DEVICE_CPU);
+    run_sequence(c, cpu, unused, unused);
+    ts_params *cw = ts_masters(c);
+    rp_model_destroy(c);
+    for (int i = 0; i < CALLS; ++i)
+        printf("call %d loss gpu %.6f cpu %.6f; upload for the next call %d, own stage-0 "
+               "upload %d\n", i, gpu[i], cpu[i], carried[i], own[i]);
+    for (int i = 0; i < CALLS; ++i)
+        assert_true(fabs(gpu[i] - cpu[i]) <= 1e-4 * fabs(cpu[i]));
+    ts_assert_params_close(gw, cw, 1e-4, "weights after the sequence");
+    ts_params_free(gw);
+    ts_params_free(cw);
+    /* Calls 1 to 3 follow a paused async step: the call before each uploaded for it, and each
+     * used that upload. */
+    for (int i = 1; i <= 3; ++i) {
+        assert_true(carried[i - 1]);
+        assert_false(own[i]);
+    }
+    /* The call after two calls for one step, and the calls after rp_synchronize and after the
+     * caller's write, upload stage 0 themselves. */
+    assert_true(own[5]);
+    assert_true(own[7]);
+    assert_true(own[8]);
+    assert_true(own[0]);
+}
+
 int main(void) {
     int32_t gpus = 0;
     if (rp_cuda_device_count(&gpus) != RP_OK || gpus == 0) {
@@ -242,6 +364,7 @@ int main(void) {
         cmocka_unit_test(model_four_times_the_cap_trains_under_the_cap),
         cmocka_unit_test(out_of_memory_names_the_stage_and_the_model_stays_usable),
         cmocka_unit_test(lm_head_loss_chunks_follow_a_small_cap),
+        cmocka_unit_test(early_uploads_for_the_next_call_give_the_cpu_results),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
