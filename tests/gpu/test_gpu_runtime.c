@@ -236,8 +236,10 @@ static void lm_head_loss_chunks_follow_a_small_cap(void **state) {
 
 /* The weights of a call's first job, uploaded during the previous call's last job
  * (src/engine/carried_weights.h), against the same calls on a CPU device, where nothing is
- * carried: fp32, TF32 off, AdamW at a learning rate (1e-2) at which weights one step stale move
- * a loss by far more than the tolerance. Async steps with a pause after each (the step is done
+ * carried: fp32, TF32 off, AdamW at a learning rate (1e-2) at which weights one step stale are
+ * off by about 1e-2 (20% of these weights) and move a loss by a percent or more, against
+ * tolerances of 1e-4 on the losses (seen: 1e-5) and 1e-3 on the weights (seen: 1.5e-4 after
+ * nine AdamW steps, whose normalised updates carry GPU-versus-CPU summation order through). Async steps with a pause after each (the step is done
  * before the next call, so its weights go up early), then the sequences in which an early upload
  * must not be used: two calls for one step, rp_synchronize (which republishes the weights), a
  * master written by the caller, a forward call between training calls. On one GPU the next
@@ -337,7 +339,7 @@ static void early_uploads_for_the_next_call_give_the_cpu_results(void **state) {
                "upload %d\n", i, gpu[i], cpu[i], carried[i], own[i]);
     for (int i = 0; i < CALLS; ++i)
         assert_true(fabs(gpu[i] - cpu[i]) <= 1e-4 * fabs(cpu[i]));
-    ts_assert_params_close(gw, cw, 1e-4, "weights after the sequence");
+    ts_assert_params_close(gw, cw, 1e-3, "weights after the sequence");
     ts_params_free(gw);
     ts_params_free(cw);
     /* Calls 1 to 3 follow a paused async step: the call before each uploaded for it, and each
