@@ -18,8 +18,10 @@ namespace {
 
 using Event = at::cuda::CUDAEvent;
 
-// Weight copies are split into pieces of this size so that an activation upload queued on the
-// other stream waits for at most one piece, not a whole stage's weights.
+// Weight copies are split into pieces of this size, meant to let an activation upload queued on
+// the other stream wait for at most one piece. The traces show it is not enough: an upload
+// enqueued while a stage's weights are in flight can still start only when the whole copy ends
+// (bench/RESULTS.md, round 16).
 constexpr int64_t kChunkBytes = 32 << 20;
 
 int64_t bytes_of(const std::vector<at::Tensor> &tensors) {

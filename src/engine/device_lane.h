@@ -52,8 +52,8 @@ class DeviceLane {
     virtual void begin_call() = 0;
 
     // All on the worker thread:
-    // Host weights -> device, on the weight stream. Large tensors go in pieces so that activation
-    // copies queued meanwhile are not stuck behind a whole stage.
+    // Host weights -> device, on the weight stream, large tensors in pieces (meant to keep
+    // activation copies queued meanwhile from waiting for a whole stage; see cuda_lane.cpp).
     virtual Transfer upload_weights(const std::vector<at::Tensor> &host, size_t job) = 0;
     // Host activation (ready after `from.ready`) -> device, on the activation stream.
     virtual Transfer upload(const Transfer &from, size_t job) = 0;
