@@ -152,10 +152,7 @@ static void fb_both(rp_model *model, ref_model *ref, const rp_run_config *cfg, c
     ts_free(o);
     rp_tensor_list_destroy(outs);
 
-    ts_params *g = ts_grads(model), *rg = ts_ref_params(ref, 1);
-    ts_assert_params_close(g, rg, 1e-4, "gradient");
-    ts_params_free(g);
-    ts_params_free(rg);
+    ts_assert_grads_match(model, ref, 1e-4, "gradient");
     ts_free(in);
     ts_free(lab);
 }
@@ -205,10 +202,7 @@ static void run_grid_case(void **state) {
                 2, 0, it, it);
         TS_OK(rp_step(model, opt, 0));
         assert_int_equal(ref_step_adamw(ref, LR, B1, B2, EPS, WD), 0);
-        ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-        ts_assert_params_close(w, rw, 1e-4, "weight after AdamW step");
-        ts_params_free(w);
-        ts_params_free(rw);
+        ts_assert_masters_match(model, ref, 1e-4, "weight after AdamW step");
     }
     int64_t steps = 0;
     TS_OK(rp_model_step_count(&steps, model));
@@ -264,10 +258,7 @@ static void layer_zoo_with_cross_entropy_and_sgd_matches_reference(void **state)
                 it);
         TS_OK(rp_step(model, opt, 0));
         assert_int_equal(ref_step_sgd(ref, 0.05, 0.9, 0.01), 0);
-        ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-        ts_assert_params_close(w, rw, 1e-4, "weight after SGD step");
-        ts_params_free(w);
-        ts_params_free(rw);
+        ts_assert_masters_match(model, ref, 1e-4, "weight after SGD step");
     }
     rp_optimizer_destroy(opt);
     rp_loss_destroy(loss);
@@ -313,10 +304,7 @@ static void run_embedding_case(const embedding_case *c) {
         }
         TS_OK(rp_step(model, opt, 0));
         assert_int_equal(ref_step_adamw(ref, 1e-3, 0.9, 0.999, 1e-8, 1e-2), 0);
-        ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-        ts_assert_params_close(w, rw, 1e-4, c->what);
-        ts_params_free(w);
-        ts_params_free(rw);
+        ts_assert_masters_match(model, ref, 1e-4, c->what);
     }
     rp_optimizer_destroy(opt);
     rp_loss_destroy(loss);
@@ -483,16 +471,10 @@ static void reduced_precision_model_dtype_tracks_the_fp32_reference(void **state
                 print_error("%s: loss %.6g, fp32 reference %.6g\n", kinds[k].name, got, want);
                 fail();
             }
-            ts_params *g = ts_grads(model), *rg = ts_ref_params(ref, 1);
-            ts_assert_params_close(g, rg, kinds[k].grad_tol, kinds[k].name);
-            ts_params_free(g);
-            ts_params_free(rg);
+            ts_assert_grads_match(model, ref, kinds[k].grad_tol, kinds[k].name);
             TS_OK(rp_step(model, opt, 0));
             assert_int_equal(ref_step_sgd(ref, 0.05, 0, 0), 0);
-            ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-            ts_assert_params_close(w, rw, kinds[k].weight_tol, kinds[k].name);
-            ts_params_free(w);
-            ts_params_free(rw);
+            ts_assert_masters_match(model, ref, kinds[k].weight_tol, kinds[k].name);
             ts_free(in);
             ts_free(lab);
         }

@@ -381,10 +381,7 @@ static void failing_step_callback_leaves_the_model_usable(void **state) {
     double want = 0.0;
     assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
     assert_int_equal(ref_step_adamw(ref, 1e-2, 0.9, 0.999, 1e-8, 1e-2), 0);
-    ts_params *w = ts_masters(m), *rw = ts_ref_params(ref, 0);
-    ts_assert_params_close(w, rw, 1e-5, "weights after the failed step and one AdamW step");
-    ts_params_free(w);
-    ts_params_free(rw);
+    ts_assert_masters_match(m, ref, 1e-5, "weights after the failed step and one AdamW step");
     rp_optimizer_destroy(opt);
     ref_destroy(ref);
     task_free(&t);

@@ -426,6 +426,22 @@ ts_params *ts_ref_params(const ref_model *ref, int grads) {
     return p;
 }
 
+static void assert_match(ts_params *got, const ref_model *ref, int grads, double tol,
+                         const char *what) {
+    ts_params *want = ts_ref_params(ref, grads);
+    ts_assert_params_close(got, want, tol, what);
+    ts_params_free(got);
+    ts_params_free(want);
+}
+
+void ts_assert_masters_match(rp_model *model, const ref_model *ref, double tol, const char *what) {
+    assert_match(ts_masters(model), ref, 0, tol, what);
+}
+
+void ts_assert_grads_match(rp_model *model, const ref_model *ref, double tol, const char *what) {
+    assert_match(ts_grads(model), ref, 1, tol, what);
+}
+
 void ts_assert_trains_like_reference(rp_model *model, const char *spec, int64_t in_features,
                                      int64_t out_features) {
     enum { ROWS = 8 };
@@ -466,10 +482,7 @@ void ts_assert_trains_like_reference(rp_model *model, const char *spec, int64_t 
         assert_int_equal(ref_step_adamw(ref, lr, b1, b2, eps, wd), 0);
     }
     assert_true(last < first);
-    ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
-    ts_assert_params_close(w, rw, 1e-4, "weights after AdamW");
-    ts_params_free(w);
-    ts_params_free(rw);
+    ts_assert_masters_match(model, ref, 1e-4, "weights after AdamW");
     rp_optimizer_destroy(opt);
     rp_loss_destroy(loss);
     rp_run_config_destroy(cfg);

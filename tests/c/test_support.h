@@ -121,6 +121,10 @@ int64_t ts_param_numel(const rp_model *model, size_t index);
 ref_model *ts_reference_from(rp_model *model, const char *spec, uint64_t seed);
 /** Snapshot of the reference's weights / gradients, in the model's parameter order. */
 ts_params *ts_ref_params(const ref_model *ref, int grads);
+/** ts_assert_params_close of the model's master weights (ts_masters) / accumulated gradients
+ * (ts_grads) against the reference's, `what` naming them in a failure. */
+void ts_assert_masters_match(rp_model *model, const ref_model *ref, double tol, const char *what);
+void ts_assert_grads_match(rp_model *model, const ref_model *ref, double tol, const char *what);
 
 /**
  * Proof that a model still trains correctly (used after bad-input calls): copy its weights into
