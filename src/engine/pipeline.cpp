@@ -25,6 +25,20 @@ Error stage_out_of_memory(const Stage &st, JobKind kind, size_t stage, const at:
                      e.what_without_backtrace());
 }
 
+// `carried` into `weights` when it holds what `stage` reads now (carried_weights_match); else
+// false, and `carried`, given up, frees its device memory.
+bool take_carried(const CallContext &ctx, const Stage &stage, CarriedWeights carried,
+                  Transfer &weights) {
+    const std::vector<size_t> params = stage_params(ctx, stage);
+    std::vector<at::Tensor> live;
+    for (size_t pi : params)
+        live.push_back(ctx.store.at(pi).live);
+    if (!carried_weights_match(carried, params, live, ctx.store.weights_version()))
+        return false;
+    weights = std::move(carried.transfer);
+    return true;
+}
+
 } // namespace
 
 std::function<void()> Pipeline::next_call_upload(CallContext &ctx,
@@ -99,18 +113,8 @@ void Pipeline::run(CallContext &ctx) {
         CarriedWeights *carried = job < G ? &carried_in[device] : nullptr;
         j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job, carried] {
             try {
-                if (carried) {
-                    CarriedWeights c = std::move(*carried);
-                    const std::vector<size_t> params = stage_params(ctx, layers);
-                    std::vector<at::Tensor> live;
-                    for (size_t pi : params)
-                        live.push_back(ctx.store.at(pi).live);
-                    if (carried_weights_match(c, params, live, ctx.store.weights_version())) {
-                        *weights = std::move(c.transfer);
-                        return;
-                    }
-                }
-                *weights = upload_stage_weights(ctx, layers, lane, job);
+                if (!(carried && take_carried(ctx, layers, std::move(*carried), *weights)))
+                    *weights = upload_stage_weights(ctx, layers, lane, job);
             } catch (...) {
                 *prefetch_error = std::current_exception();
             }

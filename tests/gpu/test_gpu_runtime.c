@@ -20,30 +20,41 @@
 enum { BLOCKS = 32, DIM = 2048, HIDDEN = 4096, ROWS = 64 };
 static const int64_t BLOCK_PARAMS = 2LL * DIM + 2LL * DIM * HIDDEN + HIDDEN + DIM;
 
-static char *big_spec(void) {
-    size_t cap = 64 + BLOCKS * 96;
+/* `blocks` residual_mlp blocks of dim -> hidden -> dim (the caller frees the text). */
+static char *mlp_spec(int blocks, int dim, int hidden) {
+    size_t cap = 64 + (size_t)blocks * 96;
     char *spec = malloc(cap);
     strcpy(spec, "{\"layers\":[");
-    for (int i = 0; i < BLOCKS; ++i) {
+    for (int i = 0; i < blocks; ++i) {
         char entry[96];
         snprintf(entry, sizeof entry, "%s{\"type\":\"residual_mlp\",\"dim\":%d,\"hidden\":%d}",
-                 i ? "," : "", DIM, HIDDEN);
+                 i ? "," : "", dim, hidden);
         strcat(spec, entry);
     }
     strcat(spec, "]}");
     return spec;
 }
 
-static rp_model *make_model(const char *spec, int32_t kind, int64_t cap) {
+static char *big_spec(void) { return mlp_spec(BLOCKS, DIM, HIDDEN); }
+
+/* One device of `kind`; a cap of 0 is the default; `plan` (plan_len stages) may be NULL. */
+static rp_model *model_with(const char *spec, int32_t kind, int64_t cap, uint64_t seed,
+                            const int32_t *plan, size_t plan_len) {
     rp_model_options *o = NULL;
     TS_OK(rp_model_options_create(&o));
     TS_OK(rp_model_options_set_devices(o, kind, 1));
     TS_OK(rp_model_options_set_gpu_memory_cap(o, cap));
-    TS_OK(rp_model_options_set_seed(o, 7));
+    TS_OK(rp_model_options_set_seed(o, seed));
+    if (plan)
+        TS_OK(rp_model_options_set_stage_plan(o, plan, plan_len));
     rp_model *m = NULL;
     TS_OK(rp_model_create(&m, spec, o));
     rp_model_options_destroy(o);
     return m;
+}
+
+static rp_model *make_model(const char *spec, int32_t kind, int64_t cap) {
+    return model_with(spec, kind, cap, 7, NULL, 0);
 }
 
 static rp_model *gpu_model(const char *spec, int64_t cap) {
@@ -239,32 +250,19 @@ static void lm_head_loss_chunks_follow_a_small_cap(void **state) {
  * carried: fp32, TF32 off, AdamW at a learning rate (1e-2) at which weights one step stale are
  * off by about 1e-2 (20% of these weights) and move a loss by a percent or more, against
  * tolerances of 1e-4 on the losses (seen: 1e-5) and 1e-3 on the weights (seen: 1.5e-4 after
- * nine AdamW steps, whose normalised updates carry GPU-versus-CPU summation order through). Async steps with a pause after each (the step is done
- * before the next call, so its weights go up early), then the sequences in which an early upload
- * must not be used: two calls for one step, rp_synchronize (which republishes the weights), a
+ * nine AdamW steps, whose normalised updates carry GPU-versus-CPU summation order through).
+ * Async steps with a pause after each (the step is done before the next call, so its weights go
+ * up early), then the sequences in which an early upload must not be used: two calls for one step, rp_synchronize (which republishes the weights), a
  * master written by the caller, a forward call between training calls. On one GPU the next
  * call's first job is stage 0: a call that took the early upload has no upload of its own for
  * "forward stage 0", and the call before it shows "next call's forward stage 0". */
 enum { SMALL_BLOCKS = 6, SMALL_DIM = 256, SMALL_ROWS = 32, CALLS = 10 };
 
 static rp_model *planned_model(int32_t kind) {
-    char spec[1024] = "{\"layers\":[";
-    for (int i = 0; i < SMALL_BLOCKS; ++i) {
-        char entry[96];
-        snprintf(entry, sizeof entry, "%s{\"type\":\"residual_mlp\",\"dim\":%d,\"hidden\":%d}",
-                 i ? "," : "", SMALL_DIM, 2 * SMALL_DIM);
-        strcat(spec, entry);
-    }
-    strcat(spec, "]}");
+    char *spec = mlp_spec(SMALL_BLOCKS, SMALL_DIM, 2 * SMALL_DIM);
     const int32_t plan[3] = {2, 2, 2};
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_devices(o, kind, 1));
-    TS_OK(rp_model_options_set_stage_plan(o, plan, 3));
-    TS_OK(rp_model_options_set_seed(o, 11));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create(&m, spec, o));
-    rp_model_options_destroy(o);
+    rp_model *m = model_with(spec, kind, 0, 11, plan, 3);
+    free(spec);
     return m;
 }
 
