@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/PeerToPeerAccess.h>
 #include <cuda_runtime_api.h>
 
 namespace rp {
@@ -68,6 +69,18 @@ void *current_cuda_stream(int device) {
     return at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 }
 
+bool gpus_copy_peer_to_peer(const std::vector<int> &devices) {
+    if (devices.size() < 2)
+        return false;
+    initialise_cuda();
+    for (int a : devices)
+        for (int b : devices)
+            if (a != b && !at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(a),
+                                                    static_cast<c10::DeviceIndex>(b)))
+                return false;
+    return true;
+}
+
 } // namespace rp
 
 #else
@@ -80,5 +93,6 @@ void limit_gpu_memory(int, int64_t) {}
 bool register_host_memory(void *, int64_t) { return false; }
 void unregister_host_memory(void *) {}
 void *current_cuda_stream(int) { return nullptr; }
+bool gpus_copy_peer_to_peer(const std::vector<int> &) { return false; }
 } // namespace rp
 #endif

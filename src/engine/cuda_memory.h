@@ -2,6 +2,7 @@
 // cuda_lane.cpp include CUDA headers. Every function is a harmless no-op (or zero) without CUDA.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace rp {
 
@@ -22,6 +23,10 @@ void release_cached_gpu_memory();
 // The stream current on this thread for `device` (a cudaStream_t): where caller-defined code
 // must launch its work. Null without CUDA.
 void *current_cuda_stream(int device);
+
+// Whether every GPU of `devices` (indices) can copy from every other directly (peer to peer, over
+// NVLink or PCIe), with that access enabled; false for fewer than two or without CUDA.
+bool gpus_copy_peer_to_peer(const std::vector<int> &devices);
 
 // Page-locks existing host memory (pin mode "register"); false when CUDA refuses.
 bool register_host_memory(void *ptr, int64_t bytes);

@@ -1,13 +1,25 @@
 #include "engine/pipeline.h"
 
+#include <cstdlib>
+#include <string>
+
 #include "engine/cuda_memory.h"
 #include "base/error.h"
 
 namespace rp {
 
 Pipeline::Pipeline(const std::vector<at::Device> &devices) {
-    for (const at::Device &d : devices)
+    std::vector<int> gpus;
+    for (const at::Device &d : devices) {
         workers_.push_back(std::make_unique<DeviceWorker>(make_device_lane(d)));
+        if (d.is_cuda())
+            gpus.push_back(d.index());
+    }
+    // RP_PEER_HAND_OFFS=0 sends hand-offs through host memory, to measure what the direct
+    // copies give.
+    const char *peer = std::getenv("RP_PEER_HAND_OFFS");
+    peer_hand_offs_ = gpus.size() == devices.size() && !(peer && std::string(peer) == "0") &&
+                      gpus_copy_peer_to_peer(gpus);
 }
 
 namespace {
@@ -91,6 +103,7 @@ void Pipeline::run(CallContext &ctx) {
     std::vector<CarriedWeights> carried_in = std::move(carried_);
     carried_in.resize(G);
     carried_.assign(G, CarriedWeights());
+    ctx.peer_hand_offs = peer_hand_offs_;
     ctx.job_device.resize(num_jobs);
     for (size_t job = 0; job < num_jobs; ++job) {
         ctx.job_device[job] = (cursor_ + job) % G;

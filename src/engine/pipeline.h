@@ -47,6 +47,7 @@ class Pipeline {
     size_t cursor_ = 0;
     std::vector<JobTrace> trace_;
     std::vector<CarriedWeights> carried_; // per device, for the next call
+    bool peer_hand_offs_ = false;         // CallContext::peer_hand_offs
 };
 
 } // namespace rp

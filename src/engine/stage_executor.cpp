@@ -181,20 +181,27 @@ Transfer stage_input(CallContext &ctx, size_t job, size_t stage, size_t m) {
 // takes the device tensors themselves: both enqueue on this device's compute stream, so its
 // kernels are ordered after these, and neither a download nor an upload stands between them
 // (one GPU: every hand-off; the host round trip of a 65,536-token activation is ~10 ms each way).
-// Otherwise a download to host memory, from which the other device uploads.
+// On another GPU that can copy from this one, the device tensors too, ready once the compute so
+// far is done: its lane copies them directly (DeviceLane::upload), without the round trip through
+// host memory, whose upload also queues behind that GPU's weight copies (bench/RESULTS.md, round
+// 16). Otherwise a download to host memory, from which the other device uploads.
 Transfer hand_off(const CallContext &ctx, size_t job, DeviceLane &lane, const Activation &ys) {
     if (ctx.next_job_on_same_device(job))
         return Transfer{ys, nullptr, {}};
+    if (ctx.peer_hand_offs)
+        return Transfer{ys, lane.mark_compute(), {}};
     return lane.download(ys, job);
 }
 
-// `t` in host memory: what a forward keeps for a backward stage must not hold device memory for
-// the rest of the call.
-Transfer on_host(DeviceLane &lane, const Transfer &t, size_t job) {
-    for (const at::Tensor &x : t.tensors)
+// What a training forward keeps of its stage input `in` for a backward stage, in host memory (it
+// must not hold device memory for the rest of the call): `in` itself when it came through host
+// memory, else a download of `on_device`, its copy on this job's device (`in` may be on another
+// GPU).
+Transfer on_host(DeviceLane &lane, const Transfer &in, const Activation &on_device, size_t job) {
+    for (const at::Tensor &x : in.tensors)
         if (x.defined() && !x.device().is_cpu())
-            return lane.download(t.tensors, job);
-    return t;
+            return lane.download(on_device, job);
+    return in;
 }
 
 void maybe_require_grad(Activation &xs, bool wanted) {
@@ -287,7 +294,7 @@ void run_forward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const
             const int b = ctx.backward_stage_at[l];
             if (ctx.training && b >= 0)
                 ctx.stage_inputs[b][m] =
-                    l == stage.first_layer ? on_host(lane, in, job) : lane.download(y, job);
+                    l == stage.first_layer ? on_host(lane, in, y, job) : lane.download(y, job);
             y = run_layer(ctx, w, stage, l, y, extras, Phase::Forward);
         }
         lane.compute_end(job);

@@ -68,6 +68,9 @@ struct CallContext {
     bool next_job_on_same_device(size_t job) const {
         return job + 1 < job_device.size() && job_device[job + 1] == job_device[job];
     }
+    // The call's GPUs copy from one another directly: a hand-off to another GPU leaves the
+    // tensors where they are, for the next job's lane to copy (set by Pipeline::run).
+    bool peer_hand_offs = false;
     // Memory-saving mode: a stage's weights go up only once `gate` holds step `gate_step` for
     // every parameter of the stage.
     const StepGate *gate = nullptr;
