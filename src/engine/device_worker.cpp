@@ -1,9 +1,23 @@
 #include "engine/device_worker.h"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace rp {
+namespace {
+
+// RP_UPLOAD_THREAD=0 enqueues the next job's upload on the worker, before the job at hand, as
+// before the uploader existed: to measure what the uploader gives.
+bool uploads_on_their_own_thread() {
+    const char *v = std::getenv("RP_UPLOAD_THREAD");
+    return !(v && std::strcmp(v, "0") == 0);
+}
+
+} // namespace
 
 DeviceWorker::DeviceWorker(std::unique_ptr<DeviceLane> lane)
-    : lane_(std::move(lane)), thread_([this] { loop(); }) {}
+    : lane_(std::move(lane)), separate_uploads_(uploads_on_their_own_thread()), uploader_([this] { upload_loop(); }),
+      thread_([this] { loop(); }) {}
 
 DeviceWorker::~DeviceWorker() {
     {
@@ -11,7 +25,13 @@ DeviceWorker::~DeviceWorker() {
         stopping_ = true;
     }
     wake_.notify_all();
-    thread_.join();
+    thread_.join(); // the worker waits for every upload it handed over
+    {
+        std::lock_guard<std::mutex> lock(upload_mutex_);
+        upload_stopping_ = true;
+    }
+    upload_wake_.notify_all();
+    uploader_.join();
 }
 
 void DeviceWorker::submit(std::vector<StageJob> jobs) {
@@ -21,6 +41,33 @@ void DeviceWorker::submit(std::vector<StageJob> jobs) {
             queue_.push_back(std::move(j));
     }
     wake_.notify_all();
+}
+
+std::future<void> DeviceWorker::upload(std::function<void()> prefetch) {
+    std::packaged_task<void()> task(std::move(prefetch));
+    std::future<void> done = task.get_future();
+    {
+        std::lock_guard<std::mutex> lock(upload_mutex_);
+        uploads_.push_back(std::move(task));
+    }
+    upload_wake_.notify_all();
+    return done;
+}
+
+void DeviceWorker::upload_loop() {
+    lane_->enter();
+    for (;;) {
+        std::packaged_task<void()> task;
+        {
+            std::unique_lock<std::mutex> lock(upload_mutex_);
+            upload_wake_.wait(lock, [&] { return upload_stopping_ || !uploads_.empty(); });
+            if (uploads_.empty())
+                return;
+            task = std::move(uploads_.front());
+            uploads_.pop_front();
+        }
+        task();
+    }
 }
 
 void DeviceWorker::loop() {
@@ -43,10 +90,16 @@ void DeviceWorker::loop() {
                 (!queue_.front().ready || queue_.front().ready()))
                 next = &queue_.front();
         }
-        if (!job.prefetched)
+        if (job.prefetch_done.valid())
+            job.prefetch_done.wait(); // its upload is enqueued: run() may use it
+        else if (!job.prefetched)
             job.prefetch();
         if (next) {
-            next->prefetch();
+            // After this job's own upload, so the weight stream takes them in job order.
+            if (separate_uploads_)
+                next->prefetch_done = upload(next->prefetch);
+            else
+                next->prefetch();
             next->prefetched = true;
         }
         job.run();
