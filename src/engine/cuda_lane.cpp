@@ -56,10 +56,19 @@ class CudaLane final : public DeviceLane {
     void begin_call() override {
         std::lock_guard<std::mutex> lock(mutex_);
         marks_.clear();
+        next_call_from_.reset();
         c10::cuda::CUDAGuard guard(device_);
         // One zero event per stream, all recorded now: spans on different streams compare.
         zero_ = record(compute_);
         host_zero_ = Clock::now(); // the stream is idle here: the two clocks start together
+    }
+
+    void begin_next_call_uploads() override {
+        c10::cuda::CUDAGuard guard(device_);
+        auto from = std::make_shared<Event>(cudaEventDisableTiming);
+        from->record(weights_);
+        std::lock_guard<std::mutex> lock(mutex_);
+        next_call_from_ = std::move(from);
     }
 
     Transfer upload_weights(const std::vector<at::Tensor> &host, size_t job) override {
@@ -184,17 +193,51 @@ class CudaLane final : public DeviceLane {
 
     std::vector<TraceSpan> finish() override {
         c10::cuda::CUDAGuard guard(device_);
+        std::shared_ptr<Event> next_call_from;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            next_call_from = next_call_from_;
+        }
         for (auto *s : {&weights_, &activations_, &compute_, &download_}) {
-            if (!watch_)
+            // The weight stream up to the uploads for the next call: that call waits for those.
+            if (s == &weights_ && next_call_from) {
+                if (!watch_)
+                    next_call_from->synchronize();
+                else
+                    poll([&] { return next_call_from->query(); });
+            } else if (!watch_) {
                 s->synchronize();
-            else
+            } else {
                 poll([&] { return s->query(); });
+            }
         }
         std::lock_guard<std::mutex> lock(mutex_);
         std::vector<TraceSpan> spans;
-        for (const Mark &m : marks_)
+        // Uploads for this call left in flight by the last one, on this call's clock.
+        std::vector<Mark> still_pending;
+        for (Mark &m : pending_) {
+            if (!m.end->query()) {
+                still_pending.push_back(std::move(m));
+                continue;
+            }
+            const double shift = m.zero->elapsed_time(*zero_);
+            const double host_shift =
+                std::chrono::duration<double, std::milli>(host_zero_ - m.host_zero).count();
+            TraceSpan span{m.what, m.job, m.zero->elapsed_time(*m.start) - shift,
+                           m.zero->elapsed_time(*m.end) - shift, m.bytes, m.content,
+                           m.enqueued - host_shift};
+            span.from_last_call = true;
+            spans.push_back(std::move(span));
+        }
+        pending_ = std::move(still_pending);
+        for (Mark &m : marks_) {
+            if (m.next_call && !m.end->query()) {
+                pending_.push_back(std::move(m));
+                continue;
+            }
             spans.push_back({m.what, m.job, zero_->elapsed_time(*m.start),
                              zero_->elapsed_time(*m.end), m.bytes, m.content, m.enqueued});
+        }
         marks_.clear();
         return spans;
     }
@@ -224,6 +267,7 @@ class CudaLane final : public DeviceLane {
         }
     }
 
+    using Clock = std::chrono::steady_clock;
     struct Mark {
         std::string what;
         size_t job;
@@ -231,9 +275,11 @@ class CudaLane final : public DeviceLane {
         double enqueued;
         int64_t bytes;
         const char *content;
+        bool next_call;                 // an upload for the next call (begin_next_call_uploads)
+        std::shared_ptr<Event> zero;    // the clocks of the call that enqueued it
+        Clock::time_point host_zero;
     };
 
-    using Clock = std::chrono::steady_clock;
     double host_ms() const {
         return std::chrono::duration<double, std::milli>(Clock::now() - host_zero_).count();
     }
@@ -242,7 +288,8 @@ class CudaLane final : public DeviceLane {
               std::shared_ptr<Event> end, double enqueued, int64_t bytes = -1,
               const char *content = "") {
         std::lock_guard<std::mutex> lock(mutex_);
-        marks_.push_back({what, job, std::move(start), std::move(end), enqueued, bytes, content});
+        marks_.push_back({what, job, std::move(start), std::move(end), enqueued, bytes, content,
+                          next_call_from_ != nullptr, zero_, host_zero_});
     }
 
     at::Device device_;
@@ -253,6 +300,10 @@ class CudaLane final : public DeviceLane {
     double compute_enqueued_ = 0;
     Clock::time_point host_zero_ = Clock::now();
     std::vector<Mark> marks_;
+    // Set by begin_next_call_uploads: the weight stream's point after which uploads are the
+    // next call's; their marks still in flight at finish() wait in pending_ for the next one.
+    std::shared_ptr<Event> next_call_from_;
+    std::vector<Mark> pending_;
     std::map<int, c10::cuda::CUDAStream> peer_streams_; // by source GPU; worker thread only
 };
 

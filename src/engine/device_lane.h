@@ -36,6 +36,10 @@ struct TraceSpan {
     // waited on the device (a copy engine busy, an event not yet reached) from a host thread
     // that enqueued late.
     double enqueued_ms = -1;
+    // A weight upload for the next call that was still in flight when its call finished: it is
+    // reported by the next finish() instead, on that call's clock (so it may start before 0),
+    // and `job` is the index it was uploaded under in the call that enqueued it.
+    bool from_last_call = false;
 };
 
 // What a download carries, for the timing record.
@@ -74,8 +78,12 @@ class DeviceLane {
     virtual void compute_begin(size_t job) = 0;
     virtual void compute_end(size_t job) = 0;
 
-    // Caller thread, at the end of a call: waits for everything this lane enqueued and returns
-    // the call's timing record.
+    // Device's last job of a call: the weight uploads that follow are for the next call, which
+    // waits for them itself; finish() does not (default: it does, as for every upload).
+    virtual void begin_next_call_uploads() {}
+
+    // Caller thread, at the end of a call: waits for everything this lane enqueued (but the
+    // uploads for the next call) and returns the call's timing record.
     virtual std::vector<TraceSpan> finish() = 0;
 
     // Set once, before any call: wait() and finish() then poll instead of blocking and call

@@ -434,6 +434,7 @@ void Model::offer_next_call_weights(CallContext &ctx) const {
     const bool pending = published_ < enqueued_;
     const int64_t step = enqueued_;
     const uint64_t version = store_.weights_version() + (pending ? 1 : 0);
+    ctx.gpu_memory_cap = gpu_memory_cap_;
     ctx.next_call_weights = [this, pending, step, version](const std::vector<size_t> &params,
                                                            uint64_t *expected) {
         std::vector<at::Tensor> sources;
@@ -789,7 +790,8 @@ std::vector<TraceEvent> Model::trace() const {
             TraceEvent e;
             e.kind = kinds[static_cast<int>(job.kind)];
             e.name = (job.next_call ? "next call's " : "") + e.kind + " stage " +
-                     std::to_string(job.stage);
+                     std::to_string(job.stage) +
+                     (job.from_last_call ? " (uploaded by the last call)" : "");
             e.lane = span.what;
             e.device = static_cast<int>(job.device);
             e.start_us = (device_offset_ms + span.start_ms) * 1000.0;

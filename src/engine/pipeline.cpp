@@ -51,34 +51,63 @@ bool take_carried(const CallContext &ctx, const Stage &stage, CarriedWeights car
     return true;
 }
 
+// Whether `bytes` more fit on the GPU of `lane` under `cap` (0: unknown, so no), with a tenth
+// of the cap kept for the allocator's rounding and the last job's late allocations.
+bool room_on_gpu(DeviceLane &lane, int64_t bytes, int64_t cap) {
+    if (cap <= 0)
+        return false;
+    const int64_t held = gpu_memory_stats(lane.device().index()).allocated_bytes;
+    return held + bytes <= cap / 10 * 9;
+}
+
+int64_t bytes_of(const std::vector<at::Tensor> &tensors) {
+    int64_t n = 0;
+    for (const at::Tensor &t : tensors)
+        n += static_cast<int64_t>(t.nbytes());
+    return n;
+}
+
 } // namespace
 
 std::function<void()> Pipeline::next_call_upload(CallContext &ctx,
                                                  const std::vector<CallJob> &jobs, size_t d) {
     const size_t G = workers_.size(), num_jobs = jobs.size();
     // The next call starts at the device after the one this call's cursor ends on; expect it to
-    // run the same jobs (its first job on d checks, and drops the upload if not).
+    // run the same jobs (its first jobs on d check, and drop an upload that does not match).
     const size_t next_cursor = (cursor_ + num_jobs) % G;
-    const size_t first = (d + G - next_cursor) % G;
-    if (first >= num_jobs)
+    std::vector<const Stage *> stages;
+    std::vector<size_t> tags;
+    for (size_t k = 0, job = (d + G - next_cursor) % G; k < kCarriedJobs && job < num_jobs;
+         ++k, job += G) {
+        stages.push_back(&job_stage(ctx, jobs[job].kind, jobs[job].stage));
+        JobTrace &trace = trace_[num_jobs + kCarriedJobs * d + k];
+        trace.stage = jobs[job].stage;
+        trace.kind = jobs[job].kind;
+        tags.push_back(trace.job);
+    }
+    if (stages.empty())
         return {};
-    const Stage &stage = job_stage(ctx, jobs[first].kind, jobs[first].stage);
-    JobTrace &trace = trace_[num_jobs + d];
-    trace.stage = jobs[first].stage;
-    trace.kind = jobs[first].kind;
     DeviceLane &lane = workers_[d]->lane();
-    CarriedWeights *out = &carried_[d];
-    return [&ctx, &lane, &stage, out, tag = trace.job] {
-        try {
-            CarriedWeights c;
-            c.params = stage_params(ctx, stage);
-            c.sources = ctx.next_call_weights(c.params, &c.version);
-            if (c.sources.empty())
-                return; // not final yet: the next call uploads them itself
-            c.transfer = lane.upload_weights(c.sources, tag);
-            *out = std::move(c);
-        } catch (...) {
-            // Only a head start: whatever went wrong, the next call uploads as usual.
+    std::vector<CarriedWeights> *out = &carried_[d];
+    const int64_t cap = ctx.gpu_memory_cap;
+    return [&ctx, &lane, stages, tags, out, cap] {
+        lane.begin_next_call_uploads();
+        for (size_t k = 0; k < stages.size(); ++k) {
+            try {
+                CarriedWeights c;
+                c.params = stage_params(ctx, *stages[k]);
+                c.sources = ctx.next_call_weights(c.params, &c.version);
+                if (c.sources.empty())
+                    return; // not final yet: the next call uploads them itself
+                // The second job's weights join this job's and the first's on the GPU: only
+                // where the memory cap leaves room for a third stage.
+                if (k > 0 && !room_on_gpu(lane, bytes_of(c.sources), cap))
+                    return;
+                c.transfer = lane.upload_weights(c.sources, tags[k]);
+                (*out)[k] = std::move(c);
+            } catch (...) {
+                return; // only a head start: whatever went wrong, the next call uploads
+            }
         }
     };
 }
@@ -100,17 +129,22 @@ void Pipeline::run(CallContext &ctx) {
     trace_.clear();
     // What the last call uploaded for this one: each device's first job takes its own, or drops
     // it (and its device memory) before uploading anything else.
-    std::vector<CarriedWeights> carried_in = std::move(carried_);
+    std::vector<std::vector<CarriedWeights>> carried_in = std::move(carried_);
     carried_in.resize(G);
-    carried_.assign(G, CarriedWeights());
+    for (auto &c : carried_in)
+        c.resize(kCarriedJobs);
+    carried_.assign(G, std::vector<CarriedWeights>(kCarriedJobs));
     ctx.peer_hand_offs = peer_hand_offs_;
     ctx.job_device.resize(num_jobs);
     for (size_t job = 0; job < num_jobs; ++job) {
         ctx.job_device[job] = (cursor_ + job) % G;
         trace_.push_back({job, jobs[job].stage, ctx.job_device[job], jobs[job].kind, {}});
     }
-    for (size_t d = 0; d < G; ++d) // the uploads for the next call, should there be any
-        trace_.push_back({num_jobs + d, 0, d, JobKind::Forward, {}, true});
+    // The uploads for the next call, should there be any: job num_jobs + kCarriedJobs * d + k
+    // for the next call's k-th job on device d.
+    for (size_t d = 0; d < G; ++d)
+        for (size_t k = 0; k < kCarriedJobs; ++k)
+            trace_.push_back({trace_.size(), 0, d, JobKind::Forward, {}, true});
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
         const size_t device = ctx.job_device[job];
@@ -122,8 +156,8 @@ void Pipeline::run(CallContext &ctx) {
         auto weights = std::make_shared<Transfer>();
         auto prefetch_error = std::make_shared<std::exception_ptr>();
         StageJob j;
-        // Jobs 0 to G - 1 are the first on their devices.
-        CarriedWeights *carried = job < G ? &carried_in[device] : nullptr;
+        // Jobs kG to kG + G - 1 are the k-th on their devices.
+        CarriedWeights *carried = job / G < kCarriedJobs ? &carried_in[device][job / G] : nullptr;
         j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job, carried] {
             try {
                 if (!(carried && take_carried(ctx, layers, std::move(*carried), *weights)))
@@ -134,7 +168,7 @@ void Pipeline::run(CallContext &ctx) {
         };
         j.ready = [&ctx, &layers] { return stage_weights_ready(ctx, layers); };
         // The device's last job: once its own work is enqueued (so that its activation uploads
-        // are not queued behind these weights), the upload for the next call.
+        // are not queued behind these weights), the uploads for the next call.
         std::function<void()> carry;
         if (ctx.next_call_weights && job + G >= num_jobs && lane.device().is_cuda())
             carry = next_call_upload(ctx, jobs, device);
@@ -165,21 +199,41 @@ void Pipeline::run(CallContext &ctx) {
     // A lane's wait watch may give up on a device that will not finish (a dead rank's
     // collective): that fails the call like a job failure.
     bool devices_done = true;
+    const std::vector<JobTrace> last_call_uploads = std::move(next_call_trace_);
+    next_call_trace_.clear();
     for (size_t d = 0; d < G; ++d) {
         try {
             std::vector<TraceSpan> spans = workers_[d]->lane().finish();
-            for (TraceSpan &span : spans)
-                trace_[span.job].spans.push_back(span); // next-call uploads: num_jobs + device
+            for (TraceSpan &span : spans) {
+                if (!span.from_last_call) {
+                    trace_[span.job].spans.push_back(span);
+                    continue;
+                }
+                // The last call's upload for this one, still in flight when that call ended.
+                if (span.job >= last_call_uploads.size())
+                    continue; // not one of its uploads: no entry to name it by
+                JobTrace entry = last_call_uploads[span.job];
+                entry.job = trace_.size();
+                entry.next_call = false;
+                entry.from_last_call = true;
+                entry.spans = {span};
+                trace_.push_back(std::move(entry));
+            }
         } catch (...) {
             devices_done = false;
             if (!error)
                 error = std::current_exception();
         }
     }
+    // Where the next call finds this call's uploads for it that were still in flight.
+    next_call_trace_.assign(num_jobs, JobTrace{});
+    for (size_t j = num_jobs; j < num_jobs + kCarriedJobs * G; ++j)
+        next_call_trace_.push_back(trace_[j]);
     cursor_ = (cursor_ + num_jobs) % G;
     ctx.state = nullptr;
     if (error) {
-        carried_.assign(G, CarriedWeights()); // the next call starts from a clean device
+        // The next call starts from a clean device.
+        carried_.assign(G, std::vector<CarriedWeights>(kCarriedJobs));
         // Drop the failed call's tensors, then give their cached blocks back, so an
         // out-of-memory call leaves the devices as empty as they were.
         ctx.stage_inputs.clear();

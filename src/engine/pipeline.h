@@ -17,8 +17,13 @@ struct JobTrace {
     size_t job, stage, device;
     JobKind kind;
     std::vector<TraceSpan> spans;
-    bool next_call = false; // the upload for the next call's first job on the device
+    bool next_call = false;      // an upload for one of the next call's first jobs on the device
+    bool from_last_call = false; // such an upload by the last call, in flight when it ended
 };
+
+// How many of the next call's first jobs on each device get their weights uploaded during this
+// call's last job there (carried_weights.h): the second where the memory cap has room.
+constexpr size_t kCarriedJobs = 2;
 
 class Pipeline {
   public:
@@ -39,14 +44,18 @@ class Pipeline {
 
   private:
     // Run by device d's last job of the call, after it has enqueued its work: uploads what the
-    // next call's first job on d will read, into carried_[d] (carried_weights.h).
+    // next call's first jobs on d will read, into carried_[d] (carried_weights.h).
     std::function<void()> next_call_upload(CallContext &ctx, const std::vector<CallJob> &jobs,
                                            size_t d);
 
     std::vector<std::unique_ptr<DeviceWorker>> workers_;
     size_t cursor_ = 0;
     std::vector<JobTrace> trace_;
-    std::vector<CarriedWeights> carried_; // per device, for the next call
+    // Per device, for the next call's first kCarriedJobs jobs there.
+    std::vector<std::vector<CarriedWeights>> carried_;
+    // This call's trace entries of those uploads, by job index (the rest empty): the next call
+    // reports an upload that was still in flight at this call's end under its entry.
+    std::vector<JobTrace> next_call_trace_;
     bool peer_hand_offs_ = false;         // CallContext::peer_hand_offs
 };
 

@@ -94,6 +94,8 @@ struct CallContext {
     // (carried_weights.h). Unset: no such upload.
     std::function<std::vector<at::Tensor>(const std::vector<size_t> &params, uint64_t *version)>
         next_call_weights;
+    // The GPU memory cap (bytes; 0 unknown): whether a second job's weights fit beside them.
+    int64_t gpu_memory_cap = 0;
 
     size_t num_microbatches() const { return microbatches.inputs.size(); }
 };

@@ -12,8 +12,8 @@ StageTimes stage_times_of(const std::vector<JobTrace> &trace, const std::vector<
     t.forward.assign(stages.size(), -1.0);
     t.backward.assign(stages.size(), -1.0);
     for (const JobTrace &job : trace) {
-        if (job.next_call || job.stage >= stages.size())
-            continue; // an upload for the next call, or not a job of this plan
+        if (job.next_call || job.from_last_call || job.stage >= stages.size())
+            continue; // an upload for the next call or by the last, or not a job of this plan
         double ms = 0;
         size_t spans = 0;
         for (const TraceSpan &span : job.spans)

@@ -254,8 +254,9 @@ static void lm_head_loss_chunks_follow_a_small_cap(void **state) {
  * Async steps with a pause after each (the step is done before the next call, so its weights go
  * up early), then the sequences in which an early upload must not be used: two calls for one step, rp_synchronize (which republishes the weights), a
  * master written by the caller, a forward call between training calls. On one GPU the next
- * call's first job is stage 0: a call that took the early upload has no upload of its own for
- * "forward stage 0", and the call before it shows "next call's forward stage 0". */
+ * call's first two jobs are stages 0 and 1: a call that took the early uploads has no upload
+ * of its own for "forward stage 0" or "forward stage 1", and the call before it shows "next
+ * call's forward stage 0" (or this call shows it "uploaded by the last call"). */
 enum { SMALL_BLOCKS = 6, SMALL_DIM = 256, SMALL_ROWS = 32, CALLS = 10 };
 
 static rp_model *planned_model(int32_t kind) {
@@ -274,8 +275,10 @@ static void pause_for_the_step(void) {
 static int has(const char *trace, const char *needle) { return strstr(trace, needle) != NULL; }
 
 /* Runs the sequence; per training call its loss and, on a GPU, whether its trace shows an
- * upload for the next call (`carried`) and whether it uploaded stage 0 itself (`own`). */
-static void run_sequence(rp_model *m, double *losses, int *carried, int *own) {
+ * upload of stage 0 for the next call (`carried`: by this call, or by the call before when
+ * still in flight as that call ended, which this call's trace reports) and whether it uploaded
+ * stage 0 itself (`own`). */
+static void run_sequence(rp_model *m, double *losses, int *carried, int *own, int *own1) {
     int64_t xs[2] = {SMALL_ROWS, SMALL_DIM};
     float x[SMALL_ROWS * SMALL_DIM], y[SMALL_ROWS * SMALL_DIM];
     ts_fill_uniform(x, SMALL_ROWS * SMALL_DIM, 3, -1, 1);
@@ -292,8 +295,12 @@ static void run_sequence(rp_model *m, double *losses, int *carried, int *own) {
         const char *trace = NULL;
         TS_OK(rp_model_trace_json(&trace, m));
         carried[call] = has(trace, "\"name\":\"next call's forward stage 0\"");
+        if (call > 0 && has(trace, "\"name\":\"forward stage 0 (uploaded by the last call)\""))
+            carried[call - 1] = 1;
         own[call] = has(trace, "\"name\":\"forward stage 0\",\"ph\":\"X\",\"pid\":0,"
                                "\"tid\":\"weights\"");
+        own1[call] = has(trace, "\"name\":\"forward stage 1\",\"ph\":\"X\",\"pid\":0,"
+                                "\"tid\":\"weights\"");
         if (call == 4)
             continue; /* calls 4 and 5 accumulate for one step */
         TS_OK(rp_step(m, opt, 1));
@@ -323,34 +330,36 @@ static void run_sequence(rp_model *m, double *losses, int *carried, int *own) {
 static void early_uploads_for_the_next_call_give_the_cpu_results(void **state) {
     (void)state;
     double gpu[CALLS], cpu[CALLS];
-    int carried[CALLS], own[CALLS], unused[CALLS];
+    int carried[CALLS], own[CALLS], own1[CALLS], unused[CALLS];
     rp_model *g = planned_model(RP_DEVICE_CUDA);
-    run_sequence(g, gpu, carried, own);
+    run_sequence(g, gpu, carried, own, own1);
     ts_params *gw = ts_masters(g);
     rp_model_destroy(g);
     rp_model *c = planned_model(RP_DEVICE_CPU);
-    run_sequence(c, cpu, unused, unused);
+    run_sequence(c, cpu, unused, unused, unused);
     ts_params *cw = ts_masters(c);
     rp_model_destroy(c);
     for (int i = 0; i < CALLS; ++i)
         printf("call %d loss gpu %.6f cpu %.6f; upload for the next call %d, own stage-0 "
-               "upload %d\n", i, gpu[i], cpu[i], carried[i], own[i]);
+               "upload %d, own stage-1 upload %d\n", i, gpu[i], cpu[i], carried[i], own[i],
+               own1[i]);
     for (int i = 0; i < CALLS; ++i)
         assert_true(fabs(gpu[i] - cpu[i]) <= 1e-4 * fabs(cpu[i]));
     ts_assert_params_close(gw, cw, 1e-3, "weights after the sequence");
     ts_params_free(gw);
     ts_params_free(cw);
     /* Calls 1 to 3 follow a paused async step: the call before each uploaded for it, and each
-     * used that upload. */
+     * used that upload, for its first two jobs (stages 0 and 1: the memory cap has room). */
     for (int i = 1; i <= 3; ++i) {
         assert_true(carried[i - 1]);
         assert_false(own[i]);
+        assert_false(own1[i]);
     }
     /* The call after two calls for one step, and the calls after rp_synchronize and after the
      * caller's write, upload stage 0 themselves. */
-    assert_true(own[5]);
-    assert_true(own[7]);
-    assert_true(own[8]);
+    assert_true(own[5] && own1[5]);
+    assert_true(own[7] && own1[7]);
+    assert_true(own[8] && own1[8]);
     assert_true(own[0]);
 }
 
