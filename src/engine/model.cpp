@@ -123,6 +123,10 @@ Model::~Model() {
         runner_.wait_for(enqueued_);
     } catch (...) {
     }
+    try {
+        pipeline_.wait_for_next_call_uploads(); // they read host memory freed after this
+    } catch (...) {
+    }
 }
 
 void Model::check_shapes_once(const std::vector<at::Tensor> &inputs, const at::Tensor &labels,

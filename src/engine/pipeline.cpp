@@ -112,6 +112,12 @@ std::function<void()> Pipeline::next_call_upload(CallContext &ctx,
     };
 }
 
+void Pipeline::wait_for_next_call_uploads() {
+    for (size_t d = 0; d < carried_.size() && d < workers_.size(); ++d)
+        for (const CarriedWeights &c : carried_[d])
+            workers_[d]->lane().wait(c.transfer);
+}
+
 void Pipeline::run(CallContext &ctx) {
     const size_t M = ctx.num_microbatches();
     const std::vector<CallJob> jobs = call_jobs(ctx);

@@ -36,6 +36,9 @@ class Pipeline {
     // the first job failure after every job has unwound.
     void run(CallContext &ctx);
     const std::vector<JobTrace> &last_trace() const { return trace_; }
+    // Waits until the uploads for a next call have read their host memory: before the model
+    // frees or rewrites it with no call to come.
+    void wait_for_next_call_uploads();
     // Every lane's wait watch (DeviceLane::set_wait_watch); before any call.
     void set_wait_watch(const std::function<void()> &watch) {
         for (auto &w : workers_)
