@@ -25,13 +25,6 @@ using Event = at::cuda::CUDAEvent;
 // (bench/RESULTS.md, round 16).
 constexpr int64_t kChunkBytes = 32 << 20;
 
-int64_t bytes_of(const std::vector<at::Tensor> &tensors) {
-    int64_t n = 0;
-    for (const at::Tensor &t : tensors)
-        n += static_cast<int64_t>(t.nbytes());
-    return n;
-}
-
 std::shared_ptr<Event> record(const c10::cuda::CUDAStream &stream) {
     auto e = std::make_shared<Event>(cudaEventDefault); // timing on: the record needs it
     e->record(stream);
@@ -198,28 +191,24 @@ class CudaLane final : public DeviceLane {
             std::lock_guard<std::mutex> lock(mutex_);
             next_call_from = next_call_from_;
         }
+        auto wait_for = [&](auto &stream_or_event) { // a stream's or an event's work done
+            if (!watch_)
+                stream_or_event.synchronize();
+            else
+                poll([&] { return stream_or_event.query(); });
+        };
         for (auto *s : {&weights_, &activations_, &compute_, &download_}) {
             // The weight stream up to the uploads for the next call: that call waits for those.
-            if (s == &weights_ && next_call_from) {
-                if (!watch_)
-                    next_call_from->synchronize();
-                else
-                    poll([&] { return next_call_from->query(); });
-            } else if (!watch_) {
-                s->synchronize();
-            } else {
-                poll([&] { return s->query(); });
-            }
+            if (s == &weights_ && next_call_from)
+                wait_for(*next_call_from);
+            else
+                wait_for(*s);
         }
         std::lock_guard<std::mutex> lock(mutex_);
         std::vector<TraceSpan> spans;
-        // Uploads for this call left in flight by the last one, on this call's clock.
-        std::vector<Mark> still_pending;
+        // Uploads for this call left in flight by the last one, on this call's clock. They are
+        // done: they came before this call's own uploads on the weight stream, waited for above.
         for (Mark &m : pending_) {
-            if (!m.end->query()) {
-                still_pending.push_back(std::move(m));
-                continue;
-            }
             const double shift = m.zero->elapsed_time(*zero_);
             const double host_shift =
                 std::chrono::duration<double, std::milli>(host_zero_ - m.host_zero).count();
@@ -229,7 +218,7 @@ class CudaLane final : public DeviceLane {
             span.from_last_call = true;
             spans.push_back(std::move(span));
         }
-        pending_ = std::move(still_pending);
+        pending_.clear();
         for (Mark &m : marks_) {
             if (m.next_call && !m.end->query()) {
                 pending_.push_back(std::move(m));

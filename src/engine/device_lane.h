@@ -42,6 +42,14 @@ struct TraceSpan {
     bool from_last_call = false;
 };
 
+// Bytes the tensors hold (what an upload of them moves).
+inline int64_t bytes_of(const std::vector<at::Tensor> &tensors) {
+    int64_t n = 0;
+    for (const at::Tensor &t : tensors)
+        n += static_cast<int64_t>(t.nbytes());
+    return n;
+}
+
 // What a download carries, for the timing record.
 enum class Payload { Activations, Gradients };
 

@@ -60,13 +60,6 @@ bool room_on_gpu(DeviceLane &lane, int64_t bytes, int64_t cap) {
     return held + bytes <= cap / 10 * 9;
 }
 
-int64_t bytes_of(const std::vector<at::Tensor> &tensors) {
-    int64_t n = 0;
-    for (const at::Tensor &t : tensors)
-        n += static_cast<int64_t>(t.nbytes());
-    return n;
-}
-
 } // namespace
 
 std::function<void()> Pipeline::next_call_upload(CallContext &ctx,
@@ -132,8 +125,11 @@ void Pipeline::run(CallContext &ctx) {
     const size_t G = workers_.size();
     for (auto &w : workers_)
         w->lane().begin_call();
+    // The last call's trace names its uploads for this call that were still in flight as it
+    // ended (their spans come with this call's, under the job index they had there).
+    const std::vector<JobTrace> last_trace = std::move(trace_);
     trace_.clear();
-    // What the last call uploaded for this one: each device's first job takes its own, or drops
+    // What the last call uploaded for this one: each device's first jobs take their own, or drop
     // it (and its device memory) before uploading anything else.
     std::vector<std::vector<CarriedWeights>> carried_in = std::move(carried_);
     carried_in.resize(G);
@@ -205,8 +201,6 @@ void Pipeline::run(CallContext &ctx) {
     // A lane's wait watch may give up on a device that will not finish (a dead rank's
     // collective): that fails the call like a job failure.
     bool devices_done = true;
-    const std::vector<JobTrace> last_call_uploads = std::move(next_call_trace_);
-    next_call_trace_.clear();
     for (size_t d = 0; d < G; ++d) {
         try {
             std::vector<TraceSpan> spans = workers_[d]->lane().finish();
@@ -216,9 +210,9 @@ void Pipeline::run(CallContext &ctx) {
                     continue;
                 }
                 // The last call's upload for this one, still in flight when that call ended.
-                if (span.job >= last_call_uploads.size())
+                if (span.job >= last_trace.size() || !last_trace[span.job].next_call)
                     continue; // not one of its uploads: no entry to name it by
-                JobTrace entry = last_call_uploads[span.job];
+                JobTrace entry = last_trace[span.job];
                 entry.job = trace_.size();
                 entry.next_call = false;
                 entry.from_last_call = true;
@@ -231,10 +225,6 @@ void Pipeline::run(CallContext &ctx) {
                 error = std::current_exception();
         }
     }
-    // Where the next call finds this call's uploads for it that were still in flight.
-    next_call_trace_.assign(num_jobs, JobTrace{});
-    for (size_t j = num_jobs; j < num_jobs + kCarriedJobs * G; ++j)
-        next_call_trace_.push_back(trace_[j]);
     cursor_ = (cursor_ + num_jobs) % G;
     ctx.state = nullptr;
     if (error) {

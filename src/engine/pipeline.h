@@ -56,9 +56,6 @@ class Pipeline {
     std::vector<JobTrace> trace_;
     // Per device, for the next call's first kCarriedJobs jobs there.
     std::vector<std::vector<CarriedWeights>> carried_;
-    // This call's trace entries of those uploads, by job index (the rest empty): the next call
-    // reports an upload that was still in flight at this call's end under its entry.
-    std::vector<JobTrace> next_call_trace_;
     bool peer_hand_offs_ = false;         // CallContext::peer_hand_offs
 };
 
