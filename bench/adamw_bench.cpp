@@ -12,7 +12,9 @@
 //               round 11: the bf16 download widened into the fp32 gradient buffer (the gradient
 //               thread's copy), then publish
 //   lent        the same with the download lent: publish reading the bf16 gradient where it
-//               landed (no fp32 buffer written, read or zeroed)
+//               landed (no fp32 buffer written, read or zeroed); the weight copy streamed
+//   lent_cached lent with the weight copy written by ordinary stores (the engine before
+//               streaming stores: each line of the copy is read before it is written)
 // and prints one JSON line with times, parameters/s, bytes/s and ratios.
 //
 //   adamw_bench --params 2.5e8 --tensors 16 --reps 5
@@ -45,14 +47,14 @@ struct Options {
     int64_t tensors = 16;
     int reps = 5, warmup = 1, threads = 0;
     std::vector<std::string> variants = {"ours",  "fused",   "torch",   "bf16", "copy",
-                                         "step",  "publish", "widened", "lent"};
+                                         "step",  "publish", "widened", "lent", "lent_cached"};
     std::string label;
 };
 
 [[noreturn]] void usage(const char *argv0, const std::string &why) {
     std::fprintf(stderr,
                  "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
-                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish,widened,lent (order"
+                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish,widened,lent,\n  lent_cached (order"
                  " of the runs)] [--label TEXT]\n",
                  why.c_str(), argv0);
     std::exit(2);
@@ -272,15 +274,18 @@ Timing time_standard_step(const Options &o, Arrays &a, bool fused) {
 
 // A bf16 model's gradient from its download to the end of the standard step: widened into the
 // fp32 buffer and then read and zeroed by the step, or lent (the step reads the bf16 download).
-Timing time_gradient_path(const Options &o, Arrays &a, bool lent) {
+Timing time_gradient_path(const Options &o, Arrays &a, bool lent,
+                          rp::WeightStores stores = rp::WeightStores::Streaming) {
     std::vector<at::Tensor> staged, downloads;
     for (const at::Tensor &p : a.P) {
         staged.push_back(at::zeros_like(p, at::kBFloat16));
         downloads.push_back(at::randn_like(p).to(at::kBFloat16));
     }
     int64_t step = 0;
-    const char *name = lent ? "lent (publish reading the bf16 download)"
-                            : "widened (download widened into the fp32 gradient, then publish)";
+    const char *name = !lent ? "widened (download widened into the fp32 gradient, then publish)"
+                       : stores == rp::WeightStores::Cached
+                           ? "lent_cached (lent, the weight copy by ordinary stores)"
+                           : "lent (publish reading the bf16 download)";
     return time_it(name, o.warmup, o.reps, [&] {
         ++step;
         for (size_t i = 0; i < a.P.size(); ++i) {
@@ -295,14 +300,16 @@ Timing time_gradient_path(const Options &o, Arrays &a, bool lent) {
             rp::adamw_update_publish(a.P[i].data_ptr<float>(), g, a.M[i].data_ptr<float>(),
                                      a.V[i].data_ptr<float>(), a.P[i].numel(), h, step,
                                      reinterpret_cast<uint16_t *>(
-                                         staged[i].data_ptr<at::BFloat16>()));
+                                         staged[i].data_ptr<at::BFloat16>()),
+                                     stores);
         }
     });
 }
 
 struct Timings {
     Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN},
-        step{NAN, NAN}, publish{NAN, NAN}, widened{NAN, NAN}, lent{NAN, NAN};
+        step{NAN, NAN}, publish{NAN, NAN}, widened{NAN, NAN}, lent{NAN, NAN},
+        lent_cached{NAN, NAN};
 };
 
 void print_report(const Options &o, int threads, const Timings &t, double max_diff) {
@@ -335,6 +342,7 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         "\"bf16_state_speedup_vs_fused\":%.4f,"
         "\"standard_step_ms\":%.3f,\"publish_ms\":%.3f,\"publish_speedup_vs_step\":%.4f,"
         "\"widened_ms\":%.3f,\"lent_ms\":%.3f,\"lent_speedup_vs_widened\":%.4f,"
+        "\"lent_cached_ms\":%.3f,\"streaming_speedup\":%.4f,"
         "\"max_abs_diff_vs_fused\":%.3g}\n",
         max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
         static_cast<long long>(o.tensors), threads, o.reps, t.ours.median_ms, t.ours.min_ms,
@@ -345,7 +353,8 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         gbps(t.fused) / copy_gbps, t.bf16.median_ms, gparams(t.bf16),
         t.fused.median_ms / t.bf16.median_ms, t.step.median_ms, t.publish.median_ms,
         t.step.median_ms / t.publish.median_ms, t.widened.median_ms, t.lent.median_ms,
-        t.widened.median_ms / t.lent.median_ms, max_diff);
+        t.widened.median_ms / t.lent.median_ms, t.lent_cached.median_ms,
+        t.lent_cached.median_ms / t.lent.median_ms, max_diff);
     std::string text = line;
     for (const char *token : {":-nan", ":nan", ":-inf", ":inf"}) // values only, not the label
         for (size_t at = text.find(token); at != std::string::npos; at = text.find(token))
@@ -384,6 +393,8 @@ int main(int argc, char **argv) {
             t.widened = time_gradient_path(o, a, false);
         else if (variant == "lent")
             t.lent = time_gradient_path(o, a, true);
+        else if (variant == "lent_cached")
+            t.lent_cached = time_gradient_path(o, a, true, rp::WeightStores::Cached);
     }
     const double max_diff = check_against_fused();
     print_report(o, threads, t, max_diff);

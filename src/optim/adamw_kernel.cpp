@@ -81,8 +81,11 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
 }
 
 void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, float *exp_avg_sq,
-                          int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16) {
+                          int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16,
+                          WeightStores stores) {
     const AdamWConstants c = constants(h, step);
+    const auto narrow = stores == WeightStores::Streaming ? narrow_bf16_nearest_streaming
+                                                          : narrow_bf16_nearest;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block];
         for (int64_t b = begin; b < end; b += kBf16Block) {
@@ -91,7 +94,7 @@ void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, fl
             if (!grad.f32)
                 widen_bf16(grad.bf16 + b, g, len);
             adamw_block(param + b, gb, exp_avg + b, exp_avg_sq + b, len, c);
-            narrow_bf16_nearest(param + b, live_bf16 + b, len);
+            narrow(param + b, live_bf16 + b, len);
             if (grad.f32)
                 std::memset(grad.f32 + b, 0, sizeof(float) * len);
         }
@@ -125,8 +128,8 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
             widen_bf16(exp_avg_sq + b, v, len);
             adamw_block(param + b, gb, m, v, len, c);
             narrow_two_bf16_stochastic(m, exp_avg + b, v, exp_avg_sq + b, len, b, salt);
-            if (live_bf16)
-                narrow_bf16_nearest(param + b, live_bf16 + b, len);
+            if (live_bf16) // the copy the devices read next: streamed past the cache
+                narrow_bf16_nearest_streaming(param + b, live_bf16 + b, len);
             // The gradient lines were just read: zeroing them now costs no second trip.
             if (zero_grad && grad.f32)
                 std::memset(grad.f32 + b, 0, sizeof(float) * len);

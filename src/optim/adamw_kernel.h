@@ -20,8 +20,12 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
 // the master) and an fp32 gradient zeroed: the standard mode's whole step for a bf16 model, whose
 // separate copy and zeroing passes read the master and write the gradient once more. A bf16
 // gradient (a download lent where it landed) is widened block by block, exactly, and left alone.
+// The weight copy is written with streaming stores (narrow_bf16_nearest_streaming: nothing reads
+// it before the next upload); `Cached` keeps ordinary stores, for adamw_bench's comparison.
+enum class WeightStores { Streaming, Cached };
 void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, float *exp_avg_sq,
-                          int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16);
+                          int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16,
+                          WeightStores stores = WeightStores::Streaming);
 
 // torch.optim.Adam's update with L2 weight decay (decoupled_weight_decay=False): the moments see
 // grad + weight_decay * param; the gradient itself is left unchanged, as torch leaves p.grad.

@@ -1,6 +1,10 @@
 #include "optim/bf16_convert.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#include <immintrin.h>
 
 namespace rp {
 namespace {
@@ -74,6 +78,90 @@ narrow_bf16_nearest(const float *__restrict in, uint16_t *__restrict out, int64_
         const bool nan = (bits & 0x7FFFFFFFU) > 0x7F800000U;
         out[i] = static_cast<uint16_t>(nan ? 0x7FC0U : rounded);
     }
+}
+
+namespace {
+
+inline uint16_t nearest_bf16(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7FFFFFFFU) > 0x7F800000U)
+        return 0x7FC0U;
+    return static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
+}
+
+// Elements to write one at a time before `out + i` sits on an `align`-byte boundary, at most n.
+int64_t head_until_aligned(const uint16_t *out, int64_t n, uintptr_t align) {
+    const uintptr_t misalign = reinterpret_cast<uintptr_t>(out) & (align - 1);
+    if (misalign == 0)
+        return 0;
+    if (misalign & 1U) // an odd address never aligns: everything goes through the scalar path
+        return n;
+    return std::min<int64_t>(n, static_cast<int64_t>((align - misalign) / 2));
+}
+
+// Sixteen elements a store: 32 bytes, one half of a cache line, on a 32-byte boundary.
+__attribute__((target("avx512f"))) void narrow_streaming_avx512(const float *in, uint16_t *out,
+                                                                  int64_t n) {
+    int64_t i = head_until_aligned(out, n, 32);
+    for (int64_t k = 0; k < i; ++k)
+        out[k] = nearest_bf16(in[k]);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i quiet_nan = _mm512_set1_epi32(0x7FC0);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i bits = _mm512_loadu_si512(in + i);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, odd)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, quiet_nan);
+        _mm256_stream_si256(reinterpret_cast<__m256i *>(out + i), _mm512_cvtepi32_epi16(rounded));
+    }
+    for (; i < n; ++i)
+        out[i] = nearest_bf16(in[i]);
+    _mm_sfence();
+}
+
+// Eight elements a store: 16 bytes on a 16-byte boundary.
+__attribute__((target("avx2"))) void narrow_streaming_avx2(const float *in, uint16_t *out,
+                                                           int64_t n) {
+    int64_t i = head_until_aligned(out, n, 16);
+    for (int64_t k = 0; k < i; ++k)
+        out[k] = nearest_bf16(in[k]);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i quiet_nan = _mm256_set1_epi32(0x7FC0);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(in + i));
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        __m256i rounded =
+            _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+        // Signed compare is right here: a magnitude is below 2^31.
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
+        rounded = _mm256_blendv_epi8(rounded, quiet_nan, nan);
+        // Every lane is at most 0xFFFF, so the unsigned-saturating pack keeps it; the pack
+        // works within 128-bit lanes, and the permute puts the two halves side by side.
+        const __m256i packed =
+            _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+        _mm_stream_si128(reinterpret_cast<__m128i *>(out + i), _mm256_castsi256_si128(packed));
+    }
+    for (; i < n; ++i)
+        out[i] = nearest_bf16(in[i]);
+    _mm_sfence();
+}
+
+} // namespace
+
+void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n) {
+    static const int level = __builtin_cpu_supports("avx512f") ? 2
+                             : __builtin_cpu_supports("avx2")  ? 1
+                                                               : 0;
+    if (level == 2)
+        narrow_streaming_avx512(in, out, n);
+    else if (level == 1)
+        narrow_streaming_avx2(in, out, n);
+    else
+        narrow_bf16_nearest(in, out, n);
 }
 
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which) {

@@ -29,9 +29,17 @@ void add_widened_bf16(const uint16_t *in, float *out, int64_t n, float factor);
 void narrow_bf16_stochastic(const float *in, uint16_t *out, int64_t n, uint64_t first_index,
                             uint32_t salt);
 
-// Rounds to the nearest bf16, ties to even, NaN kept: bit for bit what a tensor copy to bf16
-// gives, so weights written here equal those a later copy from the master would write.
+// Rounds to the nearest bf16, ties to even, NaN kept (as 0x7FC0): bit for bit what a tensor copy
+// to bf16 gives for every number, so weights written here equal those a later copy from the
+// master would write (a NaN is a NaN in both; the copy's bits for it vary with its code path).
 void narrow_bf16_nearest(const float *in, uint16_t *out, int64_t n);
+
+// The same values written with non-temporal (streaming) stores where the CPU has AVX2 or
+// AVX-512, for a destination nobody reads soon (the weight copy the next upload reads): an
+// ordinary store first reads each line it writes into the cache (a read for ownership), so this
+// halves the memory traffic of the copy. Visible to other threads and to DMA once the call
+// returns (it ends with a store fence). Elsewhere it is narrow_bf16_nearest.
+void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n);
 
 // narrow_bf16_stochastic of two arrays at once from one hash per element (its low half rounds
 // `a`, its high half `b`): AdamW's two moments for the price of one hash.
