@@ -15,6 +15,12 @@
 //               landed (no fp32 buffer written, read or zeroed); the weight copy streamed
 //   lent_cached lent with the weight copy written by ordinary stores (the engine before
 //               streaming stores: each line of the copy is read before it is written)
+//   tied_widened a tied embedding's gradient before round 18, each tensor a table of rows 2048
+//               wide: the LM-head part (bf16) widened into the fp32 buffer as it lands, the
+//               embedding's rows (a fifth of the table, each once) added into it, then publish
+//               reading and zeroing the fp32 buffer
+//   tied_lent   the same since: the LM-head part lent, the rows added into the zero fp32 buffer
+//               and marked, publish reading the bf16 part plus the marked fp32 rows
 // and prints one JSON line with times, parameters/s, bytes/s and ratios.
 //
 //   adamw_bench --params 2.5e8 --tensors 16 --reps 5
@@ -47,14 +53,15 @@ struct Options {
     int64_t tensors = 16;
     int reps = 5, warmup = 1, threads = 0;
     std::vector<std::string> variants = {"ours",  "fused",   "torch",   "bf16", "copy",
-                                         "step",  "publish", "widened", "lent", "lent_cached"};
+                                         "step",  "publish", "widened", "lent", "lent_cached",
+                                         "tied_widened", "tied_lent"};
     std::string label;
 };
 
 [[noreturn]] void usage(const char *argv0, const std::string &why) {
     std::fprintf(stderr,
                  "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
-                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish,widened,lent,\n  lent_cached (order"
+                 " [--threads N]\n  [--variants ours,fused,torch,bf16,copy,step,publish,widened,lent,\n  lent_cached,tied_widened,tied_lent (order"
                  " of the runs)] [--label TEXT]\n",
                  why.c_str(), argv0);
     std::exit(2);
@@ -306,10 +313,60 @@ Timing time_gradient_path(const Options &o, Arrays &a, bool lent,
     });
 }
 
+// A tied embedding's host work from its two downloads to the end of the step (see the header).
+Timing time_tied_gradient(const Options &o, Arrays &a, bool lent) {
+    constexpr int64_t kWidth = 2048;
+    std::vector<at::Tensor> staged, lm_parts, row_values, row_ids, marks;
+    for (const at::Tensor &p : a.P) {
+        const int64_t rows = p.numel() / kWidth, used = rows / 5;
+        staged.push_back(at::zeros_like(p, at::kBFloat16));
+        lm_parts.push_back(at::randn_like(p).to(at::kBFloat16));
+        row_values.push_back(at::randn({used, kWidth}).to(at::kBFloat16));
+        row_ids.push_back(at::randperm(rows).narrow(0, 0, used).contiguous());
+        marks.push_back(at::zeros({rows}, at::kByte));
+    }
+    int64_t step = 0;
+    const char *name = lent ? "tied_lent (LM-head part lent, rows marked beside it)"
+                            : "tied_widened (LM-head part widened as it lands, rows added)";
+    return time_it(name, o.warmup, o.reps, [&] {
+        ++step;
+        for (size_t i = 0; i < a.P.size(); ++i) {
+            const int64_t n = a.P[i].numel(), rows = n / kWidth;
+            float *g = a.G[i].data_ptr<float>();
+            rp::GradSpan span;
+            span.f32 = g;
+            if (lent) {
+                span.bf16 = reinterpret_cast<uint16_t *>(lm_parts[i].data_ptr<at::BFloat16>());
+                span.f32_rows = marks[i].data_ptr<uint8_t>();
+                span.row_width = kWidth;
+            } else {
+                a.G[i].copy_(lm_parts[i]);
+            }
+            const int64_t *id = row_ids[i].data_ptr<int64_t>();
+            const auto *v = reinterpret_cast<const uint16_t *>(row_values[i].data_ptr());
+            uint8_t *mark = marks[i].data_ptr<uint8_t>();
+            at::parallel_for(0, kWidth, 64, [&](int64_t begin, int64_t end) {
+                for (int64_t r = 0; r < row_values[i].size(0); ++r)
+                    rp::add_widened_bf16(v + r * kWidth + begin, g + id[r] * kWidth + begin,
+                                         end - begin, 1.0f);
+            });
+            if (lent)
+                for (int64_t r = 0; r < row_values[i].size(0); ++r)
+                    mark[id[r]] = 1;
+            const rp::AdamWHyper h{kLr, kBeta1, kBeta2, kEps, kWd};
+            rp::adamw_update_publish(a.P[i].data_ptr<float>(), span, a.M[i].data_ptr<float>(),
+                                     a.V[i].data_ptr<float>(), rows * kWidth, h, step,
+                                     reinterpret_cast<uint16_t *>(
+                                         staged[i].data_ptr<at::BFloat16>()));
+            marks[i].zero_();
+        }
+    });
+}
+
 struct Timings {
     Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN},
         step{NAN, NAN}, publish{NAN, NAN}, widened{NAN, NAN}, lent{NAN, NAN},
-        lent_cached{NAN, NAN};
+        lent_cached{NAN, NAN}, tied_widened{NAN, NAN}, tied_lent{NAN, NAN};
 };
 
 void print_report(const Options &o, int threads, const Timings &t, double max_diff) {
@@ -343,6 +400,7 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         "\"standard_step_ms\":%.3f,\"publish_ms\":%.3f,\"publish_speedup_vs_step\":%.4f,"
         "\"widened_ms\":%.3f,\"lent_ms\":%.3f,\"lent_speedup_vs_widened\":%.4f,"
         "\"lent_cached_ms\":%.3f,\"streaming_speedup\":%.4f,"
+        "\"tied_widened_ms\":%.3f,\"tied_lent_ms\":%.3f,\"tied_lent_speedup\":%.4f,"
         "\"max_abs_diff_vs_fused\":%.3g}\n",
         max_diff <= 1e-5 ? "ok" : "mismatch", label.c_str(), static_cast<long long>(o.params),
         static_cast<long long>(o.tensors), threads, o.reps, t.ours.median_ms, t.ours.min_ms,
@@ -354,7 +412,8 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         t.fused.median_ms / t.bf16.median_ms, t.step.median_ms, t.publish.median_ms,
         t.step.median_ms / t.publish.median_ms, t.widened.median_ms, t.lent.median_ms,
         t.widened.median_ms / t.lent.median_ms, t.lent_cached.median_ms,
-        t.lent_cached.median_ms / t.lent.median_ms, max_diff);
+        t.lent_cached.median_ms / t.lent.median_ms, t.tied_widened.median_ms,
+        t.tied_lent.median_ms, t.tied_widened.median_ms / t.tied_lent.median_ms, max_diff);
     std::string text = line;
     for (const char *token : {":-nan", ":nan", ":-inf", ":inf"}) // values only, not the label
         for (size_t at = text.find(token); at != std::string::npos; at = text.find(token))
@@ -395,6 +454,10 @@ int main(int argc, char **argv) {
             t.lent = time_gradient_path(o, a, true);
         else if (variant == "lent_cached")
             t.lent_cached = time_gradient_path(o, a, true, rp::WeightStores::Cached);
+        else if (variant == "tied_widened")
+            t.tied_widened = time_tied_gradient(o, a, false);
+        else if (variant == "tied_lent")
+            t.tied_lent = time_tied_gradient(o, a, true);
     }
     const double max_diff = check_against_fused();
     print_report(o, threads, t, max_diff);

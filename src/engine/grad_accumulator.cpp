@@ -32,7 +32,6 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
     touched_.clear();
     held_.clear();
     error_ = nullptr;
-    jobs_per_param_ = jobs_per_param;
     if (dp_) {
         dp_->check_usable();
         reducer_.begin_call(jobs_per_param);
@@ -112,14 +111,20 @@ bool GradAccumulator::may_lend(size_t p, const at::Tensor &grad, const at::Tenso
 
 bool GradAccumulator::may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
                                         double factor) {
-    // Only a gradient one job delivers whole: a second job's part (a tied weight) would have to
-    // widen the first before adding.
-    const bool one_job = p < jobs_per_param_.size() && jobs_per_param_[p] == 1;
-    if (final_ || dp_ || lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 || !one_job ||
+    // The call's first contribution to a zero buffer. A later whole one is summed with it in
+    // one pass (materialize_grad_adding: no more than widening the first as it landed and
+    // adding the second would cost); rows (a tied embedding's, after its LM-head part) add into
+    // the buffer beside it (mark_rows_added).
+    if (final_ || dp_ || lend_limit_ <= 0 || !buffers_zero_ || factor != 1.0 ||
         grad.is_sparse() || grad.scalar_type() != at::kBFloat16 ||
         dst.scalar_type() != at::kFloat || !grad.is_contiguous() || grad.sizes() != dst.sizes() ||
         store_.grad_lent(p))
         return false;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (touched_.count(p))
+            return false;
+    }
     return store_.lent_bytes() + static_cast<int64_t>(grad.nbytes()) <= lend_limit_;
 }
 
@@ -282,12 +287,19 @@ void GradAccumulator::apply(const Item &item) {
             touched_.insert(g.first); // a failing call gives it back
             continue;
         }
-        store_.materialize_grad(g.first); // lent earlier: widened before this contribution adds
         bool first;
         {
             std::lock_guard<std::mutex> lock(mutex_);
             first = buffers_zero_ && touched_.insert(g.first).second;
         }
+        // Lent earlier: a bf16 whole contribution is summed with it in one pass, another one
+        // adds after it is widened; rows add beside it.
+        if (g.second.is_sparse())
+            store_.mark_rows_added(g.first, g.second._indices());
+        else if (factor == 1.0 && store_.materialize_grad_adding(g.first, g.second))
+            continue;
+        else
+            store_.materialize_grad(g.first);
         if (g.second.is_sparse()) { // a zero buffer too: only the rows used change
             add_rows(dst, g.second, factor);
             continue;

@@ -18,8 +18,8 @@
 // Standard mode, bf16 models (lend_standard): a parameter's first contribution since its last
 // step, when it is whole and the buffer zero, is lent to the store where its download landed
 // (ParamStore::lend_grad) instead of widened into the fp32 buffer; a later contribution widens
-// it first. A parameter two of the call's jobs deliver (a tied embedding) is not lent: its first
-// part is widened as it lands, mid-call, so the second (at the call's end) only adds.
+// it first, except for rows: a tied embedding's LM-head part stays lent and the embedding's rows,
+// at the call's end, add into the zero buffer beside it (ParamStore::mark_rows_added).
 //
 // Row gradients (takes_row_gradients): an embedding's contribution may be a sparse host tensor
 // of the rows its tokens used; only those rows are added.
@@ -58,8 +58,7 @@ class GradAccumulator {
     // Caller thread, before a training call's jobs start. `buffers_zero`: every gradient buffer
     // holds zeros now. `factor` multiplies every contribution (1 / loss scale).
     // `jobs_per_param`: per parameter, how many of the call's jobs deliver a gradient of it
-    // (data parallel: job_done says when each has; standard mode: only a gradient of one job is
-    // lent).
+    // (data parallel: job_done says when each has).
     void begin_call(bool buffers_zero, double factor, const std::vector<int> &jobs_per_param);
     // Whether this call's contributions may be row gradients (sparse COO host tensors): not
     // when they are averaged over ranks (the reducer's buckets are dense) nor with in-call steps
@@ -140,7 +139,6 @@ class GradAccumulator {
     size_t in_flight_ = 0;
     bool buffers_zero_ = true;
     double factor_ = 1.0;
-    std::vector<int> jobs_per_param_; // this call's, from begin_call
     std::unordered_set<size_t> touched_; // parameters written during this call
     std::exception_ptr error_;
     DataParallel *dp_ = nullptr;

@@ -592,6 +592,16 @@ std::vector<at::Tensor> Model::step_grads_as_lent() const {
     return grads;
 }
 
+std::vector<AddedRows> Model::step_grads_added_rows() const {
+    std::vector<AddedRows> rows;
+    for (size_t i = 0; i < store_.size(); ++i) {
+        const Param &p = store_.at(i);
+        rows.push_back(p.step_landed_rows.defined() ? AddedRows{p.step_grad, p.step_landed_rows}
+                                                    : AddedRows{});
+    }
+    return rows;
+}
+
 at::Tensor Model::exposed_grad(size_t i) {
     if (on_optimizer_thread()) {
         store_.materialize_step_grad(i);
@@ -633,11 +643,13 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
         [this, opt, settings](const ParamDone &param_done, const std::vector<uint8_t> &has_grad) {
             std::vector<at::Tensor> params, lives;
             builtin_targets(params, lives);
-            // AdamW reads a lent bf16 gradient where it landed (adamw_update_publish); SGD
-            // reads fp32.
-            opt->step(params,
-                      settings.kind == OptimizerKind::AdamW ? step_grads_as_lent() : step_grads(),
-                      settings, param_done, lives, has_grad);
+            // AdamW reads a lent bf16 gradient where it landed, with any rows added to it in
+            // fp32 (adamw_update_publish); SGD reads fp32.
+            if (settings.kind == OptimizerKind::AdamW)
+                opt->step(params, step_grads_as_lent(), settings, param_done, lives, has_grad, {},
+                          step_grads_added_rows());
+            else
+                opt->step(params, step_grads(), settings, param_done, lives, has_grad);
         },
         async);
 }

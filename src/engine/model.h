@@ -204,6 +204,8 @@ class Model {
     std::vector<at::Tensor> step_grads();
     // For the built-in AdamW: a lent gradient where it landed (bf16), else the buffer.
     std::vector<at::Tensor> step_grads_as_lent() const;
+    // For the built-in AdamW: the rows added in fp32 to each lent gradient (none: undefined).
+    std::vector<AddedRows> step_grads_added_rows() const;
     // The built-in optimizer of `kind` (created at first use; refused if the model holds state
     // of another kind).
     BuiltinOptimizer &builtin_optimizer(OptimizerKind kind);

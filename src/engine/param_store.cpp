@@ -9,6 +9,7 @@
 #include "base/host_memory.h"
 #include "base/log.h"
 #include "engine/seed.h"
+#include "optim/bf16_convert.h"
 
 namespace rp {
 namespace {
@@ -206,6 +207,36 @@ void release(at::Tensor &lent, std::atomic<int64_t> &lent_bytes) {
     lent = at::Tensor();
 }
 
+const uint16_t *bf16_bits(const at::Tensor &t) {
+    return reinterpret_cast<const uint16_t *>(t.data_ptr());
+}
+
+// grad = the lent gradient widened (exact; the buffer is zero), plus it on the rows added into
+// the buffer meanwhile (grad + lent, the order the step's kernel adds in); then the lent gradient
+// and its row marks are released.
+void widen_lent(at::Tensor &grad, at::Tensor &lent, at::Tensor &moved_rows,
+                std::atomic<int64_t> &lent_bytes) {
+    if (!lent.defined())
+        return;
+    if (!moved_rows.defined()) {
+        grad.copy_(lent); // the buffer was zero
+    } else {
+        const int64_t rows = grad.size(0), width = grad.numel() / rows;
+        const uint8_t *moved = moved_rows.data_ptr<uint8_t>();
+        const uint16_t *in = bf16_bits(lent);
+        float *out = grad.data_ptr<float>();
+        at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r)
+                if (moved[r])
+                    add_widened_bf16(in + r * width, out + r * width, width, 1.0f);
+                else
+                    widen_bf16(in + r * width, out + r * width, width);
+        });
+        moved_rows = at::Tensor();
+    }
+    release(lent, lent_bytes);
+}
+
 } // namespace
 
 void ParamStore::zero_grads() {
@@ -218,18 +249,21 @@ void ParamStore::zero_grad(size_t i) {
     if (p.grad.defined())
         p.grad.zero_();
     release(p.landed, lent_bytes_);
+    p.landed_rows = at::Tensor();
 }
 
 void ParamStore::swap_grads() {
     for (Param &p : params_) {
         std::swap(p.grad, p.step_grad);
         std::swap(p.landed, p.step_landed);
+        std::swap(p.landed_rows, p.step_landed_rows);
     }
 }
 
 void ParamStore::lend_grad(size_t i, at::Tensor download) {
     Param &p = params_[i];
-    require(!saving() && !p.landed.defined() && download.scalar_type() == at::kBFloat16 &&
+    require(!saving() && !p.landed.defined() && !p.landed_rows.defined() &&
+                download.scalar_type() == at::kBFloat16 &&
                 download.sizes() == p.grad.sizes() && download.is_contiguous(),
             "lend_grad: not a whole bf16 gradient of a standard-mode parameter");
     lent_bytes_ += static_cast<int64_t>(download.nbytes());
@@ -238,23 +272,49 @@ void ParamStore::lend_grad(size_t i, at::Tensor download) {
 
 void ParamStore::materialize_grad(size_t i) {
     Param &p = params_[i];
-    if (!p.landed.defined())
-        return;
-    p.grad.copy_(p.landed); // widening is exact; the buffer was zero
-    release(p.landed, lent_bytes_);
+    widen_lent(p.grad, p.landed, p.landed_rows, lent_bytes_);
 }
 
 void ParamStore::materialize_step_grad(size_t i) {
     Param &p = params_[i];
-    if (!p.step_landed.defined())
+    widen_lent(p.step_grad, p.step_landed, p.step_landed_rows, lent_bytes_);
+}
+
+bool ParamStore::materialize_grad_adding(size_t i, const at::Tensor &plus) {
+    Param &p = params_[i];
+    if (!p.landed.defined() || p.landed_rows.defined() || plus.scalar_type() != at::kBFloat16 ||
+        !plus.is_contiguous() || plus.sizes() != p.grad.sizes())
+        return false;
+    const uint16_t *a = bf16_bits(p.landed), *b = bf16_bits(plus);
+    float *out = p.grad.data_ptr<float>();
+    at::parallel_for(0, p.grad.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+        sum_widened_bf16(a + begin, b + begin, out + begin, end - begin);
+    });
+    release(p.landed, lent_bytes_);
+    return true;
+}
+
+void ParamStore::mark_rows_added(size_t i, const at::Tensor &rows) {
+    Param &p = params_[i];
+    if (!p.landed.defined())
         return;
-    p.step_grad.copy_(p.step_landed);
-    release(p.step_landed, lent_bytes_);
+    const int64_t num_rows = p.grad.size(0);
+    if (!p.landed_rows.defined())
+        p.landed_rows = at::zeros({num_rows}, at::kByte);
+    uint8_t *added = p.landed_rows.data_ptr<uint8_t>();
+    const at::Tensor index = rows.to(at::kLong).contiguous().view(-1);
+    const int64_t *row = index.data_ptr<int64_t>();
+    for (int64_t k = 0; k < index.numel(); ++k) {
+        require(row[k] >= 0 && row[k] < num_rows, "mark_rows_added: row out of range");
+        added[row[k]] = 1;
+    }
 }
 
 void ParamStore::release_step_grads() {
-    for (Param &p : params_)
+    for (Param &p : params_) {
         release(p.step_landed, lent_bytes_);
+        p.step_landed_rows = at::Tensor();
+    }
 }
 
 void ParamStore::finish_standard_step(size_t i) {
@@ -264,6 +324,7 @@ void ParamStore::finish_standard_step(size_t i) {
     if (p.step_grad.defined())
         p.step_grad.zero_();
     release(p.step_landed, lent_bytes_);
+    p.step_landed_rows = at::Tensor();
 }
 
 void ParamStore::publish_staged() {

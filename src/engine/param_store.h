@@ -9,7 +9,10 @@
 //   landed, step_landed
 //             standard mode, bf16 models: the gradient since the last step, where its download
 //             landed (bf16), lent instead of widened into `grad` (see lend_grad), and the one the
-//             running step consumes.
+//             running step consumes;
+//   landed_rows, step_landed_rows
+//             rows added into `grad` while the gradient was lent (mark_rows_added), one byte per
+//             row: the gradient is `landed` widened, plus `grad` on those rows (zero elsewhere).
 //
 // Memory-saving mode (docs/semantics.md) keeps one buffer of each kind: no `staged` (steps are
 // ordered against calls by a StepGate instead), no `step_grad` (the step consumes `grad` before
@@ -41,6 +44,7 @@ struct Param {
     // Frozen parameters and buffers: `master` is the held value and `live` the same tensor;
     // `staged`, `grad` and `step_grad` stay undefined.
     at::Tensor master, live, staged, grad, step_grad, landed, step_landed;
+    at::Tensor landed_rows, step_landed_rows; // uint8 [rows], undefined while no row was moved
     bool trainable() const { return role == ParamRole::Trainable; }
 };
 
@@ -94,6 +98,16 @@ class ParamStore {
     bool grad_lent(size_t i) const { return params_[i].landed.defined(); }
     void materialize_grad(size_t i);      // grad = the lent gradient, widened; released
     void materialize_step_grad(size_t i); // the same for the gradient the step consumes
+    // Before rows of a gradient (`rows`: indices into dimension 0, repeats allowed) add into
+    // `grad` while a part of the gradient is lent: marks them (landed_rows), so the gradient is
+    // `landed` + `grad` on those rows and `landed` elsewhere. A tied embedding's rows then cost
+    // their own rows, not a widening of the whole LM-head part. No-op when nothing is lent.
+    void mark_rows_added(size_t i, const at::Tensor &rows);
+    // A second whole contribution `plus` (bf16, the gradient's shape, contiguous) to a lent
+    // gradient without added rows: grad = lent + plus, both widened, in one pass (the bits of
+    // widening the lent part and then adding), and the lent part released. False, with nothing
+    // done, where that does not apply.
+    bool materialize_grad_adding(size_t i, const at::Tensor &plus);
     void release_step_grads();            // after a step: its lent gradients go back
     // Bytes of downloads lent and not yet given back (pinned staging memory, bounded by the
     // lender): those above, and, for in-call steps, those handed straight to the optimizer

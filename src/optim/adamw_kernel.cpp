@@ -69,6 +69,23 @@ void adamw_block(float *p, const float *g, float *m, float *v, int64_t n,
                 c.eps, c.step_size);
 }
 
+// The gradient of elements [b, b + len) into `g` from a lent bf16 gradient with rows added in
+// fp32 (GradSpan): every element widened, then the marked rows' fp32 sums added (f32 + bf16, the
+// order ParamStore::materialize_grad adds in, so both give the same bits) and zeroed behind (the
+// buffer a step leaves must be zero).
+void gather_split_gradient(const GradSpan &grad, int64_t b, int64_t len, float *g) {
+    widen_bf16(grad.bf16 + b, g, len);
+    const int64_t w = grad.row_width;
+    for (int64_t r = b / w; r * w < b + len; ++r) {
+        if (!grad.f32_rows[r])
+            continue;
+        const int64_t from = std::max(b, r * w), to = std::min(b + len, (r + 1) * w);
+        for (int64_t j = from; j < to; ++j)
+            g[j - b] = grad.f32[j] + g[j - b];
+        std::memset(grad.f32 + from, 0, sizeof(float) * (to - from));
+    }
+}
+
 } // namespace
 
 void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
@@ -88,14 +105,17 @@ void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, fl
                                                           : narrow_bf16_nearest;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block];
+        const bool fp32 = !grad.bf16; // else lent bf16, with or without rows in fp32
         for (int64_t b = begin; b < end; b += kBf16Block) {
             const int64_t len = std::min(kBf16Block, end - b);
-            const float *gb = grad.f32 ? grad.f32 + b : g;
-            if (!grad.f32)
+            const float *gb = fp32 ? grad.f32 + b : g;
+            if (grad.f32_rows)
+                gather_split_gradient(grad, b, len, g);
+            else if (!fp32)
                 widen_bf16(grad.bf16 + b, g, len);
             adamw_block(param + b, gb, exp_avg + b, exp_avg_sq + b, len, c);
             narrow(param + b, live_bf16 + b, len);
-            if (grad.f32)
+            if (fp32)
                 std::memset(grad.f32 + b, 0, sizeof(float) * len);
         }
     });

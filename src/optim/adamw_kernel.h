@@ -19,7 +19,8 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
 // the updated weights rounded to the nearest bf16 into `live_bf16` (bit for bit a tensor copy of
 // the master) and an fp32 gradient zeroed: the standard mode's whole step for a bf16 model, whose
 // separate copy and zeroing passes read the master and write the gradient once more. A bf16
-// gradient (a download lent where it landed) is widened block by block, exactly, and left alone.
+// gradient (a download lent where it landed) is widened block by block, exactly, and left alone;
+// where rows were added to it in fp32 (GradSpan), those are added in and zeroed in the buffer.
 // The weight copy is written with streaming stores (narrow_bf16_nearest_streaming: nothing reads
 // it before the next upload); `Cached` keeps ordinary stores, for adamw_bench's comparison.
 enum class WeightStores { Streaming, Cached };
@@ -34,7 +35,7 @@ void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_
 
 // The same update with both moments stored in bf16 (stochastically rounded, see
 // bf16_convert.h) and the gradient in fp32 or bf16. `param_index` decorrelates the rounding of
-// different parameters.
+// different parameters. A gradient with rows in fp32 (GradSpan::f32_rows) is not accepted here.
 // `live_bf16` (may be null) receives the updated weights rounded to bf16 and `zero_grad` zeroes
 // the gradient, in the same pass over memory: what memory-saving mode does after each update.
 void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_avg,

@@ -5,11 +5,17 @@
 
 namespace rp {
 
-// A gradient array in fp32 or bf16 (bit patterns); exactly one pointer is set. Writable: the
+// A gradient array in fp32 or bf16 (bit patterns); one pointer is set. Writable: the
 // memory-saving update zeroes the gradient in the pass that reads it.
+// Both are set, with `f32_rows`, for a lent bf16 gradient to which rows were added in the fp32
+// buffer (a tied embedding's rows added to its LM-head part, ParamStore::mark_rows_added): on
+// the rows marked in `f32_rows` (one byte per row of `row_width` elements) the gradient is
+// f32 + bf16, and the standard step zeroes the fp32 rows as it reads them; elsewhere it is bf16.
 struct GradSpan {
     float *f32 = nullptr;
     uint16_t *bf16 = nullptr;
+    const uint8_t *f32_rows = nullptr;
+    int64_t row_width = 0;
 };
 
 // Elements per block of scratch: three fp32 blocks stay within a core's L1 cache.
@@ -20,6 +26,10 @@ void widen_bf16(const uint16_t *in, float *out, int64_t n);
 // out[i] += factor * in[i], in bf16: a low-precision gradient added into an fp32 one (one thread;
 // the caller splits the range).
 void add_widened_bf16(const uint16_t *in, float *out, int64_t n, float factor);
+
+// out[i] = a[i] + b[i], both widened: two bf16 gradients summed into fp32 in one pass, the same
+// bits as widening `a` and then adding `b` (one thread; the caller splits the range).
+void sum_widened_bf16(const uint16_t *a, const uint16_t *b, float *out, int64_t n);
 
 // Rounds to bf16 stochastically: up with probability equal to the dropped fraction, so the
 // rounding is unbiased. Round-to-nearest would lose updates smaller than half a bf16 ulp for

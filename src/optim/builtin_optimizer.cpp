@@ -1,5 +1,6 @@
 #include "optim/builtin_optimizer.h"
 
+#include "base/error.h"
 #include "optim/adamw_kernel.h"
 #include "optim/sgd_kernel.h"
 
@@ -33,7 +34,8 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
                             const ParamDone &done, const std::vector<at::Tensor> &lives,
                             const std::vector<uint8_t> &has_grad,
-                            const std::vector<size_t> &which) {
+                            const std::vector<size_t> &which,
+                            const std::vector<AddedRows> &added_rows) {
     if (steps_.empty())
         steps_.assign(params.size(), 0);
     std::vector<size_t> all;
@@ -48,7 +50,7 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
     for (size_t i : part)
         steps_[i] += update[i] ? 1 : 0;
     if (kind_ == OptimizerKind::AdamW)
-        step_adamw(params, grads, s, lives, update, part, done);
+        step_adamw(params, grads, s, lives, update, part, done, added_rows);
     else
         step_sgd(params, grads, s, update, part, done);
 }
@@ -57,7 +59,8 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                                   const std::vector<at::Tensor> &grads,
                                   const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
                                   const std::vector<bool> &update,
-                                  const std::vector<size_t> &which, const ParamDone &done) {
+                                  const std::vector<size_t> &which, const ParamDone &done,
+                                  const std::vector<AddedRows> &added_rows) {
     if (first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
         second_moment_ = zeros_like_all(params, bf16_state_);
@@ -66,9 +69,17 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
     const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
     for (size_t i : which) {
         const bool publish = update[i] && !lives.empty() && lives[i].defined();
+        GradSpan grad = update[i] ? grad_span(grads[i]) : GradSpan();
+        if (update[i] && i < added_rows.size() && added_rows[i].rows.defined()) {
+            require(publish && !bf16_state_ && grad.bf16,
+                    "rows added to a lent gradient reached an update other than AdamW's publish");
+            grad.f32 = added_rows[i].f32.data_ptr<float>();
+            grad.f32_rows = added_rows[i].rows.data_ptr<uint8_t>();
+            grad.row_width = grads[i].numel() / grads[i].size(0);
+        }
         if (!update[i]) {
         } else if (publish && !bf16_state_) {
-            adamw_update_publish(params[i].data_ptr<float>(), grad_span(grads[i]),
+            adamw_update_publish(params[i].data_ptr<float>(), grad,
                                  first_moment_[i].data_ptr<float>(),
                                  second_moment_[i].data_ptr<float>(), params[i].numel(), h,
                                  steps_[i], bf16_bits(lives[i]));

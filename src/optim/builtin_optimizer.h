@@ -19,6 +19,13 @@ struct OptimizerSettings {
     double momentum = 0.0;
 };
 
+// Rows added in fp32 to a lent bf16 gradient (ParamStore::mark_rows_added): the gradient is the
+// lent part plus `f32` on the rows `rows` marks (uint8 per row of dimension 0). Undefined `rows`:
+// none.
+struct AddedRows {
+    at::Tensor f32, rows;
+};
+
 class BuiltinOptimizer {
   public:
     // `bf16_state`: moments (momentum) stored in bf16 with stochastic rounding (memory-saving
@@ -40,12 +47,15 @@ class BuiltinOptimizer {
     // parameter whose .grad is None), and reported done unpublished. `which` (empty: every
     // parameter) limits the call to those indices, in that order: a step taken in parts, each
     // as its parameters' gradients become final (Model's in-call steps); each parameter must be
-    // in exactly one part of a step. Runs on the optimizer thread; state is allocated at the
-    // first call.
+    // in exactly one part of a step. `added_rows` (empty, or one per parameter): rows added in
+    // fp32 to a lent bf16 gradient, read and zeroed by AdamW's update of a bf16 weight copy (the
+    // standard mode's; the only place they occur). Runs on the optimizer thread; state is
+    // allocated at the first call.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
               const OptimizerSettings &settings, const ParamDone &done = {},
               const std::vector<at::Tensor> &lives = {},
-              const std::vector<uint8_t> &has_grad = {}, const std::vector<size_t> &which = {});
+              const std::vector<uint8_t> &has_grad = {}, const std::vector<size_t> &which = {},
+              const std::vector<AddedRows> &added_rows = {});
     // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
     // allocated on the optimizer thread while the caller may ask.
     int64_t state_bytes() const { return state_bytes_; }
@@ -63,7 +73,7 @@ class BuiltinOptimizer {
     void step_adamw(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
                     const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
                     const std::vector<bool> &update, const std::vector<size_t> &which,
-                    const ParamDone &done);
+                    const ParamDone &done, const std::vector<AddedRows> &added_rows);
     void step_sgd(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
                   const OptimizerSettings &s, const std::vector<bool> &update,
                   const std::vector<size_t> &which, const ParamDone &done);
