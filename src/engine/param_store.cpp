@@ -211,28 +211,28 @@ const uint16_t *bf16_bits(const at::Tensor &t) {
     return reinterpret_cast<const uint16_t *>(t.data_ptr());
 }
 
-// grad = the lent gradient widened (exact; the buffer is zero), plus it on the rows added into
-// the buffer meanwhile (grad + lent, the order the step's kernel adds in); then the lent gradient
-// and its row marks are released.
-void widen_lent(at::Tensor &grad, at::Tensor &lent, at::Tensor &moved_rows,
+// grad += the lent gradient, widened (exact), and the lent gradient and its row marks released:
+// a copy where the buffer is zero, an add (grad + lent, the order the step's kernel adds in) on
+// the rows added into it meanwhile (mark_rows_added).
+void widen_lent(at::Tensor &grad, at::Tensor &lent, at::Tensor &added_rows,
                 std::atomic<int64_t> &lent_bytes) {
     if (!lent.defined())
         return;
-    if (!moved_rows.defined()) {
-        grad.copy_(lent); // the buffer was zero
+    if (!added_rows.defined()) {
+        grad.copy_(lent);
     } else {
         const int64_t rows = grad.size(0), width = grad.numel() / rows;
-        const uint8_t *moved = moved_rows.data_ptr<uint8_t>();
+        const uint8_t *added = added_rows.data_ptr<uint8_t>();
         const uint16_t *in = bf16_bits(lent);
         float *out = grad.data_ptr<float>();
         at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
             for (int64_t r = begin; r < end; ++r)
-                if (moved[r])
+                if (added[r])
                     add_widened_bf16(in + r * width, out + r * width, width, 1.0f);
                 else
                     widen_bf16(in + r * width, out + r * width, width);
         });
-        moved_rows = at::Tensor();
+        added_rows = at::Tensor();
     }
     release(lent, lent_bytes);
 }

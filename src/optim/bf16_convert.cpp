@@ -19,6 +19,16 @@ inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
+// Round to nearest, ties to even; a NaN becomes the quiet NaN 0x7FC0. Branch-free, so the loops
+// that call it vectorise.
+inline uint16_t nearest_bf16(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16;
+    const bool nan = (bits & 0x7FFFFFFFU) > 0x7F800000U;
+    return static_cast<uint16_t>(nan ? 0x7FC0U : rounded);
+}
+
 } // namespace
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
@@ -84,24 +94,11 @@ narrow_two_bf16_stochastic(const float *__restrict a_in, uint16_t *__restrict a_
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 narrow_bf16_nearest(const float *__restrict in, uint16_t *__restrict out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &in[i], sizeof bits);
-        const uint32_t rounded = (bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16;
-        const bool nan = (bits & 0x7FFFFFFFU) > 0x7F800000U;
-        out[i] = static_cast<uint16_t>(nan ? 0x7FC0U : rounded);
-    }
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = nearest_bf16(in[i]);
 }
 
 namespace {
-
-inline uint16_t nearest_bf16(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7FFFFFFFU) > 0x7F800000U)
-        return 0x7FC0U;
-    return static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
-}
 
 // Elements to write one at a time before `out + i` sits on an `align`-byte boundary, at most n.
 int64_t head_until_aligned(const uint16_t *out, int64_t n, uintptr_t align) {
