@@ -345,11 +345,7 @@ Timing time_tied_gradient(const Options &o, Arrays &a, bool lent) {
             const int64_t *id = row_ids[i].data_ptr<int64_t>();
             const auto *v = reinterpret_cast<const uint16_t *>(row_values[i].data_ptr());
             uint8_t *mark = marks[i].data_ptr<uint8_t>();
-            at::parallel_for(0, kWidth, 64, [&](int64_t begin, int64_t end) {
-                for (int64_t r = 0; r < row_values[i].size(0); ++r)
-                    rp::add_widened_bf16(v + r * kWidth + begin, g + id[r] * kWidth + begin,
-                                         end - begin, 1.0f);
-            });
+            rp::add_rows_widened_bf16(v, id, row_values[i].size(0), kWidth, g, 1.0f);
             if (lent)
                 for (int64_t r = 0; r < row_values[i].size(0); ++r)
                     mark[id[r]] = 1;

@@ -234,7 +234,7 @@ void add_widened(at::Tensor &dst, const at::Tensor &src, double factor) {
 
 // dst[row] += factor * values[i] for each (row, values[i]) of a row gradient: the rows an
 // embedding's tokens used, a row once per use (the device did not merge repeats; here they add
-// in fp32). Parallel over column blocks, so no two threads write one element.
+// in fp32).
 void add_rows(at::Tensor &dst, const at::Tensor &sparse, double factor) {
     const at::Tensor rows = sparse._indices().reshape(-1).contiguous();
     const int64_t n = rows.numel(), width = dst.numel() / std::max<int64_t>(dst.size(0), 1);
@@ -245,15 +245,9 @@ void add_rows(at::Tensor &dst, const at::Tensor &sparse, double factor) {
         return;
     }
     values = values.contiguous();
-    const auto *in = reinterpret_cast<const uint16_t *>(values.data_ptr());
-    const int64_t *row = rows.data_ptr<int64_t>();
-    float *out = d.data_ptr<float>();
-    const float f = static_cast<float>(factor);
-    // 64 columns (256 bytes of fp32) at least per block: whole cache lines per thread.
-    at::parallel_for(0, width, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t i = 0; i < n; ++i)
-            add_widened_bf16(in + i * width + begin, out + row[i] * width + begin, end - begin, f);
-    });
+    add_rows_widened_bf16(reinterpret_cast<const uint16_t *>(values.data_ptr()),
+                          rows.data_ptr<int64_t>(), n, width, d.data_ptr<float>(),
+                          static_cast<float>(factor));
 }
 
 } // namespace

@@ -127,7 +127,7 @@ void Pipeline::run(CallContext &ctx) {
         w->lane().begin_call();
     // The last call's trace names its uploads for this call that were still in flight as it
     // ended (their spans come with this call's, under the job index they had there).
-    const std::vector<JobTrace> last_trace = std::move(trace_);
+    const std::vector<JobTrace> previous_trace = std::move(trace_);
     trace_.clear();
     // What the last call uploaded for this one: each device's first jobs take their own, or drop
     // it (and its device memory) before uploading anything else.
@@ -210,9 +210,9 @@ void Pipeline::run(CallContext &ctx) {
                     continue;
                 }
                 // The last call's upload for this one, still in flight when that call ended.
-                if (span.job >= last_trace.size() || !last_trace[span.job].next_call)
+                if (span.job >= previous_trace.size() || !previous_trace[span.job].next_call)
                     continue; // not one of its uploads: no entry to name it by
-                JobTrace entry = last_trace[span.job];
+                JobTrace entry = previous_trace[span.job];
                 entry.job = trace_.size();
                 entry.next_call = false;
                 entry.from_last_call = true;

@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include <ATen/Parallel.h>
+
 namespace rp {
 namespace {
 
@@ -47,6 +49,16 @@ add_widened_bf16(const uint16_t *__restrict in, float *__restrict out, int64_t n
         std::memcpy(&x, &bits, sizeof bits);
         out[i] += factor * x;
     }
+}
+
+void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t n, int64_t width,
+                           float *out, float factor) {
+    // 64 columns (256 bytes of fp32) at least per block: whole cache lines per thread.
+    at::parallel_for(0, width, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t k = 0; k < n; ++k)
+            add_widened_bf16(values + k * width + begin, out + rows[k] * width + begin,
+                             end - begin, factor);
+    });
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
@@ -141,44 +153,12 @@ __attribute__((target("avx512f"))) void narrow_streaming_avx512(const float *in,
 #pragma GCC diagnostic pop
 #endif
 
-// Eight elements a store: 16 bytes on a 16-byte boundary.
-__attribute__((target("avx2"))) void narrow_streaming_avx2(const float *in, uint16_t *out,
-                                                           int64_t n) {
-    int64_t i = head_until_aligned(out, n, 16);
-    for (int64_t k = 0; k < i; ++k)
-        out[k] = nearest_bf16(in[k]);
-    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-    const __m256i quiet_nan = _mm256_set1_epi32(0x7FC0);
-    for (; i + 8 <= n; i += 8) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(in + i));
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-        __m256i rounded =
-            _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
-        // Signed compare is right here: a magnitude is below 2^31.
-        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
-        rounded = _mm256_blendv_epi8(rounded, quiet_nan, nan);
-        // Every lane is at most 0xFFFF, so the unsigned-saturating pack keeps it; the pack
-        // works within 128-bit lanes, and the permute puts the two halves side by side.
-        const __m256i packed =
-            _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-        _mm_stream_si128(reinterpret_cast<__m128i *>(out + i), _mm256_castsi256_si128(packed));
-    }
-    for (; i < n; ++i)
-        out[i] = nearest_bf16(in[i]);
-    _mm_sfence();
-}
-
 } // namespace
 
 void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n) {
-    static const int level = __builtin_cpu_supports("avx512f") ? 2
-                             : __builtin_cpu_supports("avx2")  ? 1
-                                                               : 0;
-    if (level == 2)
+    static const bool avx512 = __builtin_cpu_supports("avx512f");
+    if (avx512)
         narrow_streaming_avx512(in, out, n);
-    else if (level == 1)
-        narrow_streaming_avx2(in, out, n);
     else
         narrow_bf16_nearest(in, out, n);
 }

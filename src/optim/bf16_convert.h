@@ -27,6 +27,12 @@ void widen_bf16(const uint16_t *in, float *out, int64_t n);
 // the caller splits the range).
 void add_widened_bf16(const uint16_t *in, float *out, int64_t n, float factor);
 
+// out[rows[k]] += factor * values[k] for each of the n rows (`width` elements each) of a row
+// gradient, in order (a row used twice adds twice, in fp32): an embedding's rows added into its
+// fp32 gradient. Parallel over column blocks, so no two threads write one element.
+void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t n, int64_t width,
+                           float *out, float factor);
+
 // out[i] = a[i] + b[i], both widened: two bf16 gradients summed into fp32 in one pass, the same
 // bits as widening `a` and then adding `b` (one thread; the caller splits the range).
 void sum_widened_bf16(const uint16_t *a, const uint16_t *b, float *out, int64_t n);
@@ -44,8 +50,8 @@ void narrow_bf16_stochastic(const float *in, uint16_t *out, int64_t n, uint64_t 
 // master would write (a NaN is a NaN in both; the copy's bits for it vary with its code path).
 void narrow_bf16_nearest(const float *in, uint16_t *out, int64_t n);
 
-// The same values written with non-temporal (streaming) stores where the CPU has AVX2 or
-// AVX-512, for a destination nobody reads soon (the weight copy the next upload reads): an
+// The same values written with non-temporal (streaming) stores where the CPU has AVX-512, for a
+// destination nobody reads soon (the weight copy the next upload reads): an
 // ordinary store first reads each line it writes into the cache (a read for ownership), so this
 // halves the memory traffic of the copy. Visible to other threads and to DMA once the call
 // returns (it ends with a store fence). Elsewhere it is narrow_bf16_nearest.

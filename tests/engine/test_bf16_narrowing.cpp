@@ -3,7 +3,7 @@
 // tensor copy (round to nearest, ties to even; a NaN stays a NaN): bit for bit over random bit
 // patterns, the special values, every start alignment of the destination and lengths around the
 // vector widths; and nothing written outside the range. Also the ordinary-store narrowing, which
-// the streaming one falls back to on CPUs without AVX2.
+// the streaming one falls back to on CPUs without AVX-512.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
