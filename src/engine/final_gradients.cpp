@@ -58,6 +58,22 @@ int64_t bytes_of(const at::Tensor &grad) {
 
 } // namespace
 
+void send_row_gradients(CallContext &ctx, const std::vector<std::pair<size_t, at::Tensor>> &leaves,
+                        DeviceLane &lane, size_t job) {
+    at::NoGradGuard no_grad;
+    std::vector<std::pair<size_t, at::Tensor>> grads;
+    std::vector<at::Tensor> sums;
+    for (const auto &leaf : leaves) {
+        const at::Tensor g = leaf.second.grad();
+        if (!g.defined() || !g.is_sparse())
+            continue;
+        sums.push_back(check_sum(g));
+        grads.emplace_back(leaf.first, g);
+        leaf.second.mutable_grad() = at::Tensor(); // the next microbatch's rows start afresh
+    }
+    download_group(ctx, std::move(grads), std::move(sums), lane, job, lane.mark_compute());
+}
+
 struct FinalGradients::Hook final : torch::autograd::PostAccumulateGradHook {
     Hook(FinalGradients *owner, size_t leaf) : owner_(owner), leaf_(leaf) {}
     void operator()(const torch::autograd::Variable &tensor) override {

@@ -22,6 +22,14 @@
 
 namespace rp {
 
+// Row gradients (an embedding's rows, LayerContext::row_gradients) do not wait for the last
+// microbatch: after each earlier one, the rows the job's leaves hold so far go to the host (a
+// download behind the compute so far, added there as it lands) and the leaves' gradients are
+// cleared, so that only the last microbatch's rows are left for the call's end. Dense
+// gradients stay on the device, accumulating, until they are final.
+void send_row_gradients(CallContext &ctx, const std::vector<std::pair<size_t, at::Tensor>> &leaves,
+                        DeviceLane &lane, size_t job);
+
 class FinalGradients {
   public:
     // `leaves`: (parameter index, device leaf) of the job's trainable weights; they must outlive
