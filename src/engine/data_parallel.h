@@ -64,8 +64,9 @@ class DataParallel {
     // GPU models: whether gradients are averaged in device memory (else on the host).
     bool reduces_on_device() const { return device_groups_ > 0; }
     // On the device of `flat` (the current stream's work so far made it): `flat` (the model
-    // dtype) averaged and `sums` (float64) summed over the ranks, in place. Returns a marker
-    // (the lanes' event type) of the results being ready; the current stream does not wait.
+    // dtype) averaged and `sums` (float64 non-finite flags) summed over the ranks, in place.
+    // Returns a marker (the lanes' event type) of the results being ready; the current stream
+    // does not wait.
     std::shared_ptr<void> average_on_device(const at::Tensor &flat, const at::Tensor &sums);
     // After a call's jobs have finished (its downloads waited for the device collectives):
     // forgets them; with `report_failure`, fails if one of them failed.
@@ -92,7 +93,7 @@ class DataParallel {
     std::string why_broken() const;
     mutable std::mutex broken_mutex_;
     std::string broken_;
-    size_t device_groups_ = 0; // NCCL groups, one per local GPU; 0: gradients on the host
+    size_t device_groups_ = 0;  // NCCL groups, one per local GPU; 0: gradients on the host
     void abort_device_groups(); // once; never blocks the caller
 };
 

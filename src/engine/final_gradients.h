@@ -4,11 +4,11 @@
 // keep the end of a call from waiting for a whole stage's download and host accumulation, each
 // trainable leaf gets a post-accumulation hook for that last backward. Autograd calls it as soon
 // as the leaf's gradient is final, on its own thread, while it is still enqueueing the kernels
-// of the layers below; the hook sums the gradient (the non-finite check) and, once a group of
-// about kGroupBytes is final, enqueues the group's download behind a marker of the compute so
-// far. The host must not wait for the backward to return first: the CPU is not always ahead of
-// the GPU at that point (an embedding's backward reads a count back from the device), and the
-// downloads would then all start after the last kernel.
+// of the layers below; the hook flags any inf or nan in the gradient (the non-finite check) and,
+// once a group of about kGroupBytes is final, enqueues the group's download behind a marker of the
+// compute so far. The host must not wait for the backward to return first: the CPU is not always
+// ahead of the GPU at that point (an embedding's backward reads a count back from the device), and
+// the downloads would then all start after the last kernel.
 #pragma once
 #include <cstdint>
 #include <mutex>
@@ -50,10 +50,10 @@ class FinalGradients {
     static constexpr int64_t kGroupBytes = int64_t{64} << 20;
 
     struct Hook;
-    void add(size_t leaf, const at::Tensor &grad, at::Tensor sum);
+    void add(size_t leaf, const at::Tensor &grad, at::Tensor check);
     void flush();
-    // GPU data parallelism: replaces the group's gradients and sums by their averages and sums
-    // over the ranks; returns the marker the downloads wait for.
+    // GPU data parallelism: replaces the group's gradients and non-finite checks by their
+    // averages and sums over the ranks; returns the marker the downloads wait for.
     std::shared_ptr<void> average_over_ranks();
 
     CallContext &ctx_;
@@ -63,7 +63,7 @@ class FinalGradients {
     std::mutex mutex_;
     std::vector<bool> sent_;
     std::vector<std::pair<size_t, at::Tensor>> grads_; // the group being gathered
-    std::vector<at::Tensor> sums_;
+    std::vector<at::Tensor> checks_; // one non-finite flag per gradient of the group
     int64_t bytes_ = 0;
 };
 

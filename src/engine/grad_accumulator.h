@@ -87,8 +87,9 @@ class GradAccumulator {
     // (ParamStore::count_lent); beyond the lend limit gradients are copied as usual.
     void report_final(const std::vector<int> &jobs_per_param, FinalFn fn);
     // Worker threads: (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
-    // and `checks`, 0-d host tensors whose sum is the sum of those gradients (inf or nan when
-    // any element is), computed on the device so the host need not read them twice.
+    // and `checks`, 0-d host tensors whose sum is inf or nan when any element of those gradients
+    // is (rp::kernels::nonfinite_flag), computed on the device so the host need not read them
+    // twice.
     void add(std::vector<std::pair<size_t, at::Tensor>> grads, std::vector<at::Tensor> checks,
              Transfer ready, DeviceLane &lane);
     // Worker threads: a job has delivered all its gradients of `params` (its trainable leaves).
@@ -120,8 +121,7 @@ class GradAccumulator {
     // In-call steps: whether `grad`, parameter p's only contribution, can be lent as it landed.
     bool may_lend(size_t p, const at::Tensor &grad, const at::Tensor &dst, double factor) const;
     // Standard mode: whether `grad`, the call's first contribution to p, can be lent to the store.
-    bool may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst,
-                           double factor);
+    bool may_lend_standard(size_t p, const at::Tensor &grad, const at::Tensor &dst, double factor);
     void loop();
     void apply(const Item &item);
     void enqueue(Item item); // under the lock: apply now, or hold until the call succeeds

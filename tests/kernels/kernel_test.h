@@ -99,6 +99,13 @@ class Checker {
         fail(buf);
     }
 
+    // A check of an exact property (a flag, a count): `message` says what broke when !ok.
+    void expect(bool ok, const std::string &message) {
+        ++checks_;
+        if (!ok)
+            fail(message);
+    }
+
     void fail(const std::string &message) {
         ++failures_;
         std::printf("FAIL %s\n", message.c_str());

@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "../kernel_test.h"
+#include "kernels/nonfinite.h"
+#include "kernels/nonfinite_cuda.h"
 #include "kernels/rms_norm.h"
 #include "kernels/rms_norm_cuda.h"
 #include "kernels/rope.h"
@@ -154,6 +156,25 @@ void check_rope(kt::Checker &c, at::ScalarType dt, std::vector<int64_t> shape, b
         c.close(name + " dweight", partial.sum(0).to(dt), want[1], tol(dt));
 }
 
+// The non-finite kernel's flag against the ATen twin's, for data with one non-finite element
+// at `bad_at` (or none when it is -1), on `blocks` emulated blocks.
+void check_nonfinite(kt::Checker &c, at::ScalarType dt, int64_t n, int64_t bad_at, bool misaligned,
+                     int blocks) {
+    const std::string name = "nonfinite " + kt::describe(dt, {n}, misaligned ? " misaligned" : "") +
+                             ", bad at " + std::to_string(bad_at);
+    at::Tensor x = kt::randn({n}, dt, at::kCPU);
+    if (bad_at >= 0)
+        x[bad_at] = bad_at % 2 ? NAN : -INFINITY;
+    if (misaligned)
+        x = kt::misaligned(x);
+    double flag = 0.0;
+    if (nonfinite_flag_cuda(elem(dt), x.data_ptr(), n, &flag, blocks, nullptr) != cudaSuccess)
+        return c.fail(name + ": launch failed");
+    const double want = nonfinite_flag(x).item<double>();
+    c.expect(flag == want || (std::isinf(flag) && std::isinf(want)),
+             name + ": flag " + std::to_string(flag) + ", the twin's " + std::to_string(want));
+}
+
 } // namespace
 
 int main() {
@@ -170,6 +191,11 @@ int main() {
         for (int64_t n : {1, 7, 8, 9, 1000, 8195})
             check_swiglu(c, dt, n, false, 2);
         check_swiglu(c, dt, 1001, true, 3);
+        // Several vectors per thread over 2 blocks, a tail, the scalar path.
+        for (int64_t bad_at : {int64_t{-1}, int64_t{0}, int64_t{5000}, int64_t{8194}})
+            check_nonfinite(c, dt, 8195, bad_at, false, 2);
+        check_nonfinite(c, dt, 8195, 8193, true, 3);
+        check_nonfinite(c, dt, 7, 6, false, 1);
         check_rope(c, dt, {2, 5, 3, 128}, false, true, false, 2);
         check_rope(c, dt, {2, 5, 3, 128}, true, true, false, 3);
         check_rope(c, dt, {2, 5, 3, 128}, false, false, false, 1);
