@@ -1,6 +1,6 @@
 #include "engine/grad_scaler.h"
 
-#include <cmath>
+#include "kernels/nonfinite.h"
 
 namespace rp {
 
@@ -26,9 +26,8 @@ bool GradScaler::step_may_proceed(const std::vector<at::Tensor> &grads) {
     for (const at::Tensor &g : grads) {
         if (!g.defined()) // frozen parameters and buffers
             continue;
-        // inf and nan propagate through a sum, and a double sum of fp32 values cannot overflow:
-        // one read of the gradient and no mask tensor the size of it.
-        if (!std::isfinite(g.sum(at::kDouble).item<double>())) {
+        // One read of the gradient, no copy or mask the size of it.
+        if (kernels::nonfinite_flag(g).item<double>() != 0.0) {
             finite = false;
             break;
         }

@@ -3,7 +3,8 @@
 // element is +inf, -inf or nan, wherever it sits: first, in the 16-byte vectors' body, in the
 // tail after them, last; in fp32, bf16 and fp16, for sizes with and without a tail, misaligned
 // storage (the scalar path), a non-contiguous view, and a tensor larger than one sweep of the
-// GPU grid. RP_TEST_DEVICE=cuda runs the GPU kernel; on the CPU it checks the ATen twin.
+// GPU grid (and than one task of the CPU loop); float64 too. RP_TEST_DEVICE=cuda runs the GPU
+// kernel; on the CPU it checks the CPU twin.
 #include <cmath>
 #include <limits>
 
@@ -47,7 +48,8 @@ void check(kt::Checker &c, at::ScalarType dtype, c10::Device device, int64_t n, 
     if (n == 0)
         return;
     // Every element the largest finite value: finite, though an fp32 sum of two is inf.
-    const double largest = dtype == at::kFloat      ? std::numeric_limits<float>::max()
+    const double largest = dtype == at::kDouble     ? std::numeric_limits<double>::max()
+                           : dtype == at::kFloat    ? std::numeric_limits<float>::max()
                            : dtype == at::kBFloat16 ? 3.3895313892515355e38
                                                     : 65504.0;
     expect(c, name + " largest finite",
@@ -85,7 +87,13 @@ int main() {
             check(c, dtype, device, n, Layout::Misaligned);
         check(c, dtype, device, 1000, Layout::Transposed);
     }
-    // Integers have no inf or nan: the twin's answer on every device.
+    // float64 (the CPU loop; ATen's isfinite on a GPU): 1e300 is finite though no narrower type
+    // holds it.
+    for (int64_t n : {0, 9, 8195, 3000017})
+        check(c, at::kDouble, device, n, Layout::Contiguous);
+    expect(c, "nonfinite float64 1e300",
+           at::full({5}, 1e300, at::TensorOptions().dtype(at::kDouble)).to(device), true);
+    // Integers have no inf or nan: ATen's answer on every device.
     expect(c, "nonfinite int64", at::arange(10, at::TensorOptions().dtype(at::kLong)).to(device),
            true);
     return c.finish("test_nonfinite_flag");
