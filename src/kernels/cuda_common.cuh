@@ -84,4 +84,11 @@ inline bool aligned16(const void *p) {
     return p == nullptr || (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// Blocks of `threads` for a grid-stride loop over `work` items: one item per thread where that
+// fits under `max_blocks`, else `max_blocks` (each thread then takes several); at least one.
+inline int grid_for(int64_t work, int threads, int max_blocks) {
+    const int64_t blocks = (work + threads - 1) / threads;
+    return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
+}
+
 } // namespace rp::kernels::cuda

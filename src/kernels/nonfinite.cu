@@ -37,11 +37,6 @@ __global__ void __launch_bounds__(kThreads)
         *flag = static_cast<double>(INFINITY);
 }
 
-int grid_for(int64_t work, int max_blocks) {
-    const int64_t blocks = (work + kThreads - 1) / kThreads;
-    return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
-}
-
 } // namespace
 
 cudaError_t nonfinite_flag_cuda(ElemType type, const void *data, int64_t n, double *flag,
@@ -54,10 +49,10 @@ cudaError_t nonfinite_flag_cuda(ElemType type, const void *data, int64_t n, doub
         const T *x = static_cast<const T *>(data);
         if (aligned16(data))
             nonfinite_flag_kernel<T, vec>
-                <<<grid_for(n / vec + 1, max_blocks), kThreads, 0, stream>>>(x, n, flag);
+                <<<grid_for(n / vec + 1, kThreads, max_blocks), kThreads, 0, stream>>>(x, n, flag);
         else
             nonfinite_flag_kernel<T, 1>
-                <<<grid_for(n, max_blocks), kThreads, 0, stream>>>(x, n, flag);
+                <<<grid_for(n, kThreads, max_blocks), kThreads, 0, stream>>>(x, n, flag);
         return cudaGetLastError();
     });
 }

@@ -77,11 +77,6 @@ bool all_aligned(std::initializer_list<const void *> ptrs) {
     return true;
 }
 
-int grid_for(int64_t work, int max_blocks) {
-    const int64_t blocks = (work + kThreads - 1) / kThreads;
-    return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
-}
-
 } // namespace
 
 cudaError_t swiglu_forward_cuda(ElemType type, const void *gate, const void *up, void *y, int64_t n,
@@ -95,10 +90,11 @@ cudaError_t swiglu_forward_cuda(ElemType type, const void *gate, const void *up,
         T *out = static_cast<T *>(y);
         if (all_aligned({gate, up, y}))
             swiglu_forward_kernel<T, vec>
-                <<<grid_for(n / vec + 1, max_blocks), kThreads, 0, stream>>>(g, u, out, n);
+                <<<grid_for(n / vec + 1, kThreads, max_blocks), kThreads, 0, stream>>>(g, u, out,
+                                                                                       n);
         else
             swiglu_forward_kernel<T, 1>
-                <<<grid_for(n, max_blocks), kThreads, 0, stream>>>(g, u, out, n);
+                <<<grid_for(n, kThreads, max_blocks), kThreads, 0, stream>>>(g, u, out, n);
         return cudaGetLastError();
     });
 }
@@ -116,10 +112,11 @@ cudaError_t swiglu_backward_cuda(ElemType type, const void *dy, const void *gate
         T *dg = static_cast<T *>(dgate), *du = static_cast<T *>(dup);
         if (all_aligned({dy, gate, up, dgate, dup}))
             swiglu_backward_kernel<T, vec>
-                <<<grid_for(n / vec + 1, max_blocks), kThreads, 0, stream>>>(d, g, u, dg, du, n);
+                <<<grid_for(n / vec + 1, kThreads, max_blocks), kThreads, 0, stream>>>(d, g, u, dg,
+                                                                                       du, n);
         else
             swiglu_backward_kernel<T, 1>
-                <<<grid_for(n, max_blocks), kThreads, 0, stream>>>(d, g, u, dg, du, n);
+                <<<grid_for(n, kThreads, max_blocks), kThreads, 0, stream>>>(d, g, u, dg, du, n);
         return cudaGetLastError();
     });
 }
