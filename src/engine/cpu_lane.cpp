@@ -33,11 +33,8 @@ class CpuLane final : public DeviceLane {
     void wait(const Transfer &) override {}
 
     void compute_begin(size_t) override { compute_start_ = now_ms(); }
-    void compute_end(size_t job) override {
-        double end = now_ms();
-        std::lock_guard<std::mutex> lock(mutex_);
-        spans_.push_back({"compute", job, compute_start_, end});
-    }
+    void compute_end(size_t job) override { end_span(job, ""); }
+    void compute_end_ahead(size_t job) override { end_span(job, kRecomputeAhead); }
 
     std::vector<TraceSpan> finish() override {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -48,6 +45,11 @@ class CpuLane final : public DeviceLane {
     using Clock = std::chrono::steady_clock;
     double now_ms() const {
         return std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+    }
+    void end_span(size_t job, const char *content) {
+        double end = now_ms();
+        std::lock_guard<std::mutex> lock(mutex_);
+        spans_.push_back({"compute", job, compute_start_, end, -1, content});
     }
 
     std::mutex mutex_;

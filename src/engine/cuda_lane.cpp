@@ -183,6 +183,10 @@ class CudaLane final : public DeviceLane {
     void compute_end(size_t job) override {
         mark("compute", job, compute_start_, record(compute_), compute_enqueued_);
     }
+    void compute_end_ahead(size_t job) override {
+        mark("compute", job, compute_start_, record(compute_), compute_enqueued_, -1,
+             kRecomputeAhead);
+    }
 
     std::vector<TraceSpan> finish() override {
         c10::cuda::CUDAGuard guard(device_);

@@ -22,6 +22,10 @@ struct Transfer {
     std::vector<std::shared_ptr<void>> landed;
 };
 
+// The content of the compute span of a backward's recompute that ran ahead of its gradient: the
+// first of a microbatch's two spans, so not a microbatch of its own (stage_times_of).
+inline constexpr char kRecomputeAhead[] = "recompute ahead";
+
 // One interval of the timing record, in milliseconds since the lane's call start.
 struct TraceSpan {
     std::string what; // "weights", "activation_upload", "compute", "download"
@@ -29,7 +33,8 @@ struct TraceSpan {
     double start_ms = 0, end_ms = 0;
     int64_t bytes = -1; // transfers: bytes moved; -1 for compute
     // What a transfer carries: "weights", "activations" or "gradients" (weight gradients);
-    // empty for compute.
+    // empty for compute, but kRecomputeAhead for a backward's recompute that ran before the
+    // microbatch's gradient arrived (DeviceLane::compute_end_ahead).
     std::string content;
     // When the host enqueued the work, on the host clock from the lane's begin_call (-1: not
     // recorded; CPU devices run it as they enqueue it). The gap to start_ms tells a stream that
@@ -82,9 +87,13 @@ class DeviceLane {
     virtual std::shared_ptr<void> mark_compute() { return nullptr; }
     // Any thread: blocks until a transfer has landed (for host code that reads its tensors).
     virtual void wait(const Transfer &transfer) = 0;
-    // Brackets compute for the timing record.
+    // Brackets compute for the timing record: a span per microbatch of a job. A backward that
+    // recomputes its stage before the microbatch's gradient has arrived ends that part with
+    // compute_end_ahead (a span marked kRecomputeAhead) and brackets the rest anew, so the wait
+    // for the gradient between them is not counted as compute.
     virtual void compute_begin(size_t job) = 0;
     virtual void compute_end(size_t job) = 0;
+    virtual void compute_end_ahead(size_t job) = 0;
 
     // Device's last job of a call: the weight uploads that follow are for the next call, which
     // waits for them itself; finish() does not (default: it does, as for every upload).

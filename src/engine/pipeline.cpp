@@ -115,7 +115,8 @@ void Pipeline::run(CallContext &ctx) {
     const size_t M = ctx.num_microbatches();
     const std::vector<CallJob> jobs = call_jobs(ctx);
     const size_t num_jobs = jobs.size();
-    CallState state(num_jobs, M);
+    CallState state(num_jobs, M, ctx.backward_stages.size(),
+                    ctx.kind == CallKind::BackwardOnly);
     ctx.state = &state;
     if (ctx.kind != CallKind::BackwardOnly)
         ctx.stage_inputs.assign(ctx.backward_stages.size(), std::vector<Transfer>(M));

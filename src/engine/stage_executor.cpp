@@ -292,9 +292,11 @@ void run_forward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const
             // A training forward keeps each backward stage's input: the one it received where
             // the stages start together, else a download of the activation reaching layer l.
             const int b = ctx.backward_stage_at[l];
-            if (ctx.training && b >= 0)
+            if (ctx.training && b >= 0) {
                 ctx.stage_inputs[b][m] =
                     l == stage.first_layer ? on_host(lane, in, y, job) : lane.download(y, job);
+                ctx.state->stage_input_stored(static_cast<size_t>(b), m);
+            }
             y = run_layer(ctx, w, stage, l, y, extras, Phase::Forward);
         }
         lane.compute_end(job);
@@ -336,37 +338,47 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
     for (size_t m = 0; m < ctx.num_microbatches(); ++m) {
         if (m + 1 == ctx.num_microbatches())
             final.emplace(ctx, w.leaves, lane, job);
-        // The first backward job of a BackwardOnly call starts from the caller's gradients.
-        Transfer incoming = ctx.kind == CallKind::BackwardOnly && job == 0
-                                ? std::move(ctx.output_grads[m])
-                                : ctx.state->take(job - 1, m);
-        Activation g = to_device(lane, incoming, job, ctx.store.model_dtype());
+        ctx.state->wait_stage_input(s, m);
         Activation x = to_device(lane, ctx.stage_inputs[s][m], job, ctx.store.model_dtype());
         ctx.stage_inputs[s][m] = Transfer(); // recompute input no longer needed: free it
         MicrobatchExtras extras = extras_for(ctx, m, lane, job, false);
         // The first stage's inputs need a gradient only when the caller asked for it.
         const bool first = stage.first_layer == 0;
         const bool into_inputs = !first || ctx.want_input_grads;
+        // The recompute needs the stage's input, not the microbatch's gradient: it runs before
+        // the gradient is taken, so a device waiting for the stage above (the last microbatch,
+        // when the pipeline drains) spends the wait recomputing, and only the backward proper
+        // follows the gradient's arrival.
         lane.compute_begin(job);
+        Activation y;                         // stage grain: the recomputed output
+        std::vector<Activation> layer_inputs; // layer grain: each layer's input
         if (ctx.grain == RecomputeGrain::Stage) {
             maybe_require_grad(x, into_inputs);
-            Activation y = run_stage(ctx, w, stage, x, extras, Phase::Recompute);
-            check_recompute_matches(y, g, layers_of(ctx, stage.first_layer, stage.end_layer));
-            backward_if_needed(y, g);
-            g = grads_of(x);
+            y = run_stage(ctx, w, stage, x, extras, Phase::Recompute);
         } else {
             // Layer grain: a gradient-free pass keeps only each layer's input, then each layer is
             // recomputed and back-propagated alone, so one layer's activations live at a time.
-            std::vector<Activation> layer_inputs;
-            {
-                at::NoGradGuard no_grad;
-                Activation h = x;
-                for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
-                    layer_inputs.push_back(h);
-                    if (l + 1 < stage.end_layer)
-                        h = run_layer(ctx, w, stage, l, h, extras, Phase::Recompute);
-                }
+            at::NoGradGuard no_grad;
+            Activation h = x;
+            for (size_t l = stage.first_layer; l < stage.end_layer; ++l) {
+                layer_inputs.push_back(h);
+                if (l + 1 < stage.end_layer)
+                    h = run_layer(ctx, w, stage, l, h, extras, Phase::Recompute);
             }
+        }
+        lane.compute_end_ahead(job);
+        // The first backward job of a BackwardOnly call starts from the caller's gradients.
+        Transfer incoming = ctx.kind == CallKind::BackwardOnly && job == 0
+                                ? std::move(ctx.output_grads[m])
+                                : ctx.state->take(job - 1, m);
+        Activation g = to_device(lane, incoming, job, ctx.store.model_dtype());
+        lane.compute_begin(job);
+        if (ctx.grain == RecomputeGrain::Stage) {
+            check_recompute_matches(y, g, layers_of(ctx, stage.first_layer, stage.end_layer));
+            backward_if_needed(y, g);
+            y.clear();
+            g = grads_of(x);
+        } else {
             for (size_t l = stage.end_layer; l-- > stage.first_layer;) {
                 Activation xi = detached(layer_inputs[l - stage.first_layer]);
                 layer_inputs[l - stage.first_layer].clear();

@@ -19,7 +19,8 @@ StageTimes stage_times_of(const std::vector<JobTrace> &trace, const std::vector<
         for (const TraceSpan &span : job.spans)
             if (span.what == "compute") {
                 ms += span.end_ms - span.start_ms;
-                ++spans;
+                if (span.content != kRecomputeAhead) // the first part of a microbatch's span
+                    ++spans;
             }
         t.microbatches = std::max(t.microbatches, spans);
         double &weight = t.weight[job.stage];

@@ -42,6 +42,7 @@ class NoLane final : public rp::DeviceLane { // nothing is ever transferred here
     void wait(const rp::Transfer &) override {}
     void compute_begin(size_t) override {}
     void compute_end(size_t) override {}
+    void compute_end_ahead(size_t) override {}
     std::vector<rp::TraceSpan> finish() override { return {}; }
 };
 

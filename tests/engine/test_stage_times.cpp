@@ -123,7 +123,26 @@ void another_plan_replaces_the_times() {
 
 } // namespace
 
+// A backward's recompute run ahead of its gradient is a span of its own (kRecomputeAhead): its
+// time counts, the wait before the rest of the microbatch does not, and the microbatches stay two.
+void recompute_ahead_counts_its_time_not_a_microbatch() {
+    std::vector<rp::JobTrace> trace = fused_call(1);
+    rp::JobTrace &backward = trace[2];
+    backward.spans.resize(1); // the weight upload; the microbatches again, each in two parts
+    double start = 150;
+    for (double ms : {20.0, 22.0}) {
+        backward.spans.push_back({"compute", 2, start, start + ms / 4, -1, rp::kRecomputeAhead});
+        start += ms / 4 + 30; // waiting for the gradient: not compute
+        backward.spans.push_back({"compute", 2, start, start + ms * 3 / 4, -1, ""});
+        start += ms * 3 / 4 + 1;
+    }
+    const rp::StageTimes t = rp::stage_times_of(trace, two_stages, false);
+    check_times(t.backward, {42, 10.5}, "a split backward weighs its two parts, not the waits");
+    check(t.microbatches == 2, "a split backward still has two microbatches");
+}
+
 int main() {
+    recompute_ahead_counts_its_time_not_a_microbatch();
     one_device_sums_the_jobs();
     several_devices_take_the_longest_job();
     jobs_of_another_plan_are_left_out();
