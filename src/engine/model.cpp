@@ -720,7 +720,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
             continue;
         }
         std::vector<size_t> which;
-        std::vector<uint8_t> has_grad(store_.size(), 0);
+        std::vector<uint8_t> has_grad(store_.size(), 0), lent(store_.size(), 0);
         for (const GradAccumulator::FinalGradient &f : batch) {
             which.push_back(f.param);
             nonfinite += f.nonfinite ? 1 : 0;
@@ -728,13 +728,15 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
             updated += has_grad[f.param] && params[f.param].defined() ? 1 : 0;
             if (f.landed.defined())
                 grads[f.param] = f.landed;
+            lent[f.param] = f.landed.defined() ? 1 : 0;
         }
         try {
             // One span per part: the trace shows the updates running beside the backward.
             HostSpan span(timeline_, "optimizer",
                           "in-call step " + std::to_string(number) + ": " +
                               std::to_string(which.size()) + " parameter(s)");
-            builtin_->step(params, grads, settings, param_done, lives, has_grad, which);
+            builtin_->step(params, grads, settings, param_done, lives, has_grad, which, {},
+                           lent);
         } catch (...) {
             error = std::current_exception();
         }

@@ -35,7 +35,8 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const ParamDone &done, const std::vector<at::Tensor> &lives,
                             const std::vector<uint8_t> &has_grad,
                             const std::vector<size_t> &which,
-                            const std::vector<AddedRows> &added_rows) {
+                            const std::vector<AddedRows> &added_rows,
+                            const std::vector<uint8_t> &lent) {
     if (steps_.empty())
         steps_.assign(params.size(), 0);
     std::vector<size_t> all;
@@ -50,7 +51,7 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
     for (size_t i : part)
         steps_[i] += update[i] ? 1 : 0;
     if (kind_ == OptimizerKind::AdamW)
-        step_adamw(params, grads, s, lives, update, part, done, added_rows);
+        step_adamw(params, grads, s, lives, update, part, done, added_rows, lent);
     else
         step_sgd(params, grads, s, update, part, done);
 }
@@ -60,7 +61,8 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                                   const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
                                   const std::vector<bool> &update,
                                   const std::vector<size_t> &which, const ParamDone &done,
-                                  const std::vector<AddedRows> &added_rows) {
+                                  const std::vector<AddedRows> &added_rows,
+                                  const std::vector<uint8_t> &lent) {
     if (first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
         second_moment_ = zeros_like_all(params, bf16_state_);
@@ -84,10 +86,12 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                                  second_moment_[i].data_ptr<float>(), params[i].numel(), h,
                                  steps_[i], bf16_bits(lives[i]));
         } else if (bf16_state_) {
+            // A lent download is not zeroed: 2 of the 22 bytes a parameter the pass would move.
+            const bool own_grad = !(i < lent.size() && lent[i]);
             adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
                                     bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
                                     params[i].numel(), h, steps_[i], i,
-                                    publish ? bf16_bits(lives[i]) : nullptr, publish);
+                                    publish ? bf16_bits(lives[i]) : nullptr, publish && own_grad);
         } else {
             adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
                          first_moment_[i].data_ptr<float>(), second_moment_[i].data_ptr<float>(),

@@ -49,13 +49,17 @@ class BuiltinOptimizer {
     // as its parameters' gradients become final (Model's in-call steps); each parameter must be
     // in exactly one part of a step. `added_rows` (empty, or one per parameter): rows added in
     // fp32 to a lent bf16 gradient, read and zeroed by AdamW's update of a bf16 weight copy (the
-    // standard mode's; the only place they occur). Runs on the optimizer thread; state is
-    // allocated at the first call.
+    // standard mode's; the only place they occur). `lent` (empty: none; else one per
+    // parameter): gradients that are downloads lent where they landed (in-call steps), which go
+    // back to the staging pool as they are, so the update reads them without zeroing them; a
+    // parameter's own gradient buffer is zeroed in the pass that reads it. Runs on the optimizer
+    // thread; state is allocated at the first call.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
               const OptimizerSettings &settings, const ParamDone &done = {},
               const std::vector<at::Tensor> &lives = {},
               const std::vector<uint8_t> &has_grad = {}, const std::vector<size_t> &which = {},
-              const std::vector<AddedRows> &added_rows = {});
+              const std::vector<AddedRows> &added_rows = {},
+              const std::vector<uint8_t> &lent = {});
     // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
     // allocated on the optimizer thread while the caller may ask.
     int64_t state_bytes() const { return state_bytes_; }
@@ -73,7 +77,8 @@ class BuiltinOptimizer {
     void step_adamw(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
                     const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
                     const std::vector<bool> &update, const std::vector<size_t> &which,
-                    const ParamDone &done, const std::vector<AddedRows> &added_rows);
+                    const ParamDone &done, const std::vector<AddedRows> &added_rows,
+                    const std::vector<uint8_t> &lent);
     void step_sgd(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
                   const OptimizerSettings &s, const std::vector<bool> &update,
                   const std::vector<size_t> &which, const ParamDone &done);
