@@ -1,0 +1,106 @@
+// The built-in AdamW with bf16 state (memory-saving mode, src/optim/builtin_optimizer.cpp) and
+// the gradients it is given: a parameter's own gradient buffer is zeroed by the pass that reads
+// it (the next call accumulates into it), a lent download (BuiltinOptimizer::step's `lent`) is
+// read and left as it was (it goes back to the staging pool). Checked against libtorch's
+// torch::optim::AdamW for the first step (moments start at zero, so bf16 storage of the moments
+// does not enter it yet), and the two kinds of gradient give bit-identical weights.
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+
+#include "optim/builtin_optimizer.h"
+
+static int failures = 0;
+
+static void expect(bool ok, const char *what) {
+    if (!ok) {
+        std::fprintf(stderr, "FAIL: %s\n", what);
+        ++failures;
+    }
+}
+
+namespace {
+
+struct Run {
+    std::vector<at::Tensor> params, grads, lives;
+};
+
+// Three parameters: several parallel chunks and bf16 blocks, one block with a tail, a few
+// elements. Values from a fixed seed.
+Run make_run() {
+    at::manual_seed(7);
+    Run r;
+    for (int64_t n : {70000, 5000, 33}) {
+        r.params.push_back(at::randn({n}, at::kFloat));
+        r.grads.push_back(at::randn({n}, at::kFloat).to(at::kBFloat16));
+        r.lives.push_back(at::zeros({n}, at::kBFloat16));
+    }
+    return r;
+}
+
+} // namespace
+
+int main() {
+    const rp::OptimizerSettings s{rp::OptimizerKind::AdamW, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0.0};
+
+    // Parameters 0 and 2 lent, 1 its own buffer.
+    Run lent = make_run();
+    std::vector<at::Tensor> lent_before;
+    for (const at::Tensor &g : lent.grads)
+        lent_before.push_back(g.clone());
+    std::vector<at::Tensor> params_before;
+    for (const at::Tensor &p : lent.params)
+        params_before.push_back(p.clone());
+    rp::BuiltinOptimizer lent_opt(rp::OptimizerKind::AdamW, /*bf16_state=*/true);
+    std::vector<bool> published(3, false);
+    lent_opt.step(lent.params, lent.grads, s, [&](size_t i, bool p) { published[i] = p; },
+                  lent.lives, {}, {}, {}, {1, 0, 1});
+    expect(lent.grads[0].equal(lent_before[0]), "a lent gradient is left as it was");
+    expect(lent.grads[2].equal(lent_before[2]), "a lent gradient (a few elements) is left");
+    expect(lent.grads[1].eq(0).all().item<bool>(), "an own gradient buffer is zeroed");
+    for (size_t i = 0; i < 3; ++i)
+        expect(published[i], "each update is reported published (weight copy written)");
+
+    // Every gradient its own buffer: all zeroed, the same weights bit for bit.
+    Run own = make_run();
+    rp::BuiltinOptimizer own_opt(rp::OptimizerKind::AdamW, /*bf16_state=*/true);
+    own_opt.step(own.params, own.grads, s, {}, own.lives);
+    for (size_t i = 0; i < 3; ++i) {
+        expect(own.grads[i].eq(0).all().item<bool>(), "without `lent` every gradient is zeroed");
+        expect(own.params[i].equal(lent.params[i]), "lent or not, the same master weights");
+        expect(own.lives[i].view(at::kShort).equal(lent.lives[i].view(at::kShort)),
+               "lent or not, the same weight copy");
+        // The weight copy is the master rounded to the nearest bf16.
+        expect(
+            lent.lives[i].view(at::kShort).equal(lent.params[i].to(at::kBFloat16).view(at::kShort)),
+            "the weight copy is the master in bf16");
+    }
+
+    // The first step against libtorch's AdamW on the same fp32 values and widened gradients.
+    // Both compute in fp32; the order of operations differs, so allow a few ulps of the
+    // update's size (lr = 1e-3: the first step moves each weight by about lr).
+    for (size_t i = 0; i < 3; ++i) {
+        at::Tensor p = params_before[i].clone().set_requires_grad(true);
+        p.mutable_grad() = lent_before[i].to(at::kFloat);
+        torch::optim::AdamW ref({p}, torch::optim::AdamWOptions(s.lr)
+                                         .betas(std::make_tuple(s.beta1, s.beta2))
+                                         .eps(s.eps)
+                                         .weight_decay(s.weight_decay));
+        ref.step();
+        const double diff = (p.detach() - lent.params[i]).abs().max().item<double>();
+        if (diff > 1e-6)
+            std::fprintf(stderr, "parameter %zu: max |ours - torch| = %g\n", i, diff);
+        expect(diff <= 1e-6, "the first step equals torch::optim::AdamW");
+        expect((lent.params[i] - params_before[i]).abs().max().item<double>() > 5e-4,
+               "the step moved the weights (the comparison is not vacuous)");
+    }
+
+    if (failures)
+        std::fprintf(stderr, "%d check(s) failed\n", failures);
+    else
+        std::printf("builtin optimizer: lent and own gradients ok\n");
+    return failures ? 1 : 0;
+}
