@@ -62,7 +62,9 @@ int64_t bytes_of(const at::Tensor &grad) {
 } // namespace
 
 void send_row_gradients(CallContext &ctx, const std::vector<std::pair<size_t, at::Tensor>> &leaves,
-                        DeviceLane &lane, size_t job) {
+                        DeviceLane &lane, size_t job, size_t m) {
+    if (!ctx.row_gradients || m + 1 == ctx.num_microbatches()) // the last: FinalGradients's
+        return;
     at::NoGradGuard no_grad;
     std::vector<std::pair<size_t, at::Tensor>> grads;
     std::vector<at::Tensor> checks;

@@ -26,9 +26,10 @@ namespace rp {
 // microbatch: after each earlier one, the rows the job's leaves hold so far go to the host (a
 // download behind the compute so far, added there as it lands) and the leaves' gradients are
 // cleared, so that only the last microbatch's rows are left for the call's end. Dense
-// gradients stay on the device, accumulating, until they are final.
+// gradients stay on the device, accumulating, until they are final. Called by a job after each
+// microbatch `m`; does nothing after the last or when the call takes no row gradients.
 void send_row_gradients(CallContext &ctx, const std::vector<std::pair<size_t, at::Tensor>> &leaves,
-                        DeviceLane &lane, size_t job);
+                        DeviceLane &lane, size_t job, size_t m);
 
 class FinalGradients {
   public:

@@ -726,9 +726,10 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
             nonfinite += f.nonfinite ? 1 : 0;
             has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
             updated += has_grad[f.param] && params[f.param].defined() ? 1 : 0;
-            if (f.landed.defined())
+            if (f.landed.defined()) {
                 grads[f.param] = f.landed;
-            lent[f.param] = f.landed.defined() ? 1 : 0;
+                lent[f.param] = 1;
+            }
         }
         try {
             // One span per part: the trace shows the updates running beside the backward.

@@ -325,8 +325,7 @@ void run_tail(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, const St
         LossSite site{lane.device(), static_cast<int>(m)};
         ctx.losses[m] = loss_backward(*ctx.loss, y, extras.labels, site);
         lane.compute_end(job);
-        if (ctx.row_gradients && m + 1 < ctx.num_microbatches())
-            send_row_gradients(ctx, w.leaves, lane, job);
+        send_row_gradients(ctx, w.leaves, lane, job, m);
         ctx.state->put(job, m, hand_off(ctx, job, lane, grads_of(x)));
     }
 }
@@ -390,8 +389,7 @@ void run_backward(CallContext &ctx, size_t job, size_t s, DeviceLane &lane, cons
             }
         }
         lane.compute_end(job);
-        if (ctx.row_gradients && m + 1 < ctx.num_microbatches())
-            send_row_gradients(ctx, w.leaves, lane, job);
+        send_row_gradients(ctx, w.leaves, lane, job, m);
         if (first && ctx.want_input_grads)
             ctx.input_grads[m] = lane.download(g, job).tensors;
         else

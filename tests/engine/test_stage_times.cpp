@@ -121,8 +121,6 @@ void another_plan_replaces_the_times() {
     check(t.stages.size() == 2 && t.stages[0].end_layer == 2, "another plan: the later plan");
 }
 
-} // namespace
-
 // A backward's recompute run ahead of its gradient is a span of its own (kRecomputeAhead): its
 // time counts, the wait before the rest of the microbatch does not, and the microbatches stay two.
 void recompute_ahead_counts_its_time_not_a_microbatch() {
@@ -140,6 +138,8 @@ void recompute_ahead_counts_its_time_not_a_microbatch() {
     check_times(t.backward, {42, 10.5}, "a split backward weighs its two parts, not the waits");
     check(t.microbatches == 2, "a split backward still has two microbatches");
 }
+
+} // namespace
 
 int main() {
     recompute_ahead_counts_its_time_not_a_microbatch();
