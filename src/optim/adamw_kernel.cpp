@@ -57,16 +57,18 @@ struct AdamWConstants {
 AdamWConstants constants(const AdamWHyper &h, int64_t step) {
     const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(step));
     const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(step));
-    return {static_cast<float>(1.0 - h.lr * h.weight_decay), static_cast<float>(1.0 - h.beta1),
-            static_cast<float>(h.beta2),                     static_cast<float>(1.0 - h.beta2),
-            static_cast<float>(1.0 / std::sqrt(bc2)),        static_cast<float>(h.eps),
+    return {static_cast<float>(1.0 - h.lr * h.weight_decay),
+            static_cast<float>(1.0 - h.beta1),
+            static_cast<float>(h.beta2),
+            static_cast<float>(1.0 - h.beta2),
+            static_cast<float>(1.0 / std::sqrt(bc2)),
+            static_cast<float>(h.eps),
             static_cast<float>(h.lr / bc1)};
 }
 
-void adamw_block(float *p, const float *g, float *m, float *v, int64_t n,
-                 const AdamWConstants &c) {
-    adamw_range(p, g, m, v, n, c.decay, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt,
-                c.eps, c.step_size);
+void adamw_block(float *p, const float *g, float *m, float *v, int64_t n, const AdamWConstants &c) {
+    adamw_range(p, g, m, v, n, c.decay, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps,
+                c.step_size);
 }
 
 // The gradient of elements [b, b + len) into `g` from a lent bf16 gradient with rows added in
@@ -92,8 +94,8 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
                   const AdamWHyper &h, int64_t step) {
     const AdamWConstants c = constants(h, step);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        adamw_block(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
-                    end - begin, c);
+        adamw_block(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
+                    c);
     });
 }
 
@@ -101,8 +103,8 @@ void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, fl
                           int64_t n, const AdamWHyper &h, int64_t step, uint16_t *live_bf16,
                           WeightStores stores) {
     const AdamWConstants c = constants(h, step);
-    const auto narrow = stores == WeightStores::Streaming ? narrow_bf16_nearest_streaming
-                                                          : narrow_bf16_nearest;
+    const auto narrow =
+        stores == WeightStores::Streaming ? narrow_bf16_nearest_streaming : narrow_bf16_nearest;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block];
         const bool fp32 = !grad.bf16; // else lent bf16, with or without rows in fp32
@@ -126,11 +128,42 @@ void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_
     const AdamWConstants c = constants(h, step);
     const float l2 = static_cast<float>(h.weight_decay);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        adam_l2_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
-                      end - begin, l2, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps,
-                      c.step_size);
+        adam_l2_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
+                      l2, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps, c.step_size);
     });
 }
+
+namespace {
+
+// The bf16-state update of elements [begin, end) of one parameter, a block of scratch at a time
+// (see adamw_update_bf16_state). A GradSpan with no array is a zero gradient.
+void bf16_state_range(float *param, const GradSpan &grad, uint16_t *exp_avg, uint16_t *exp_avg_sq,
+                      int64_t begin, int64_t end, const AdamWConstants &c, uint32_t salt,
+                      uint16_t *live_bf16, bool zero_grad) {
+    float g[kBf16Block], m[kBf16Block], v[kBf16Block];
+    const bool zero = !grad.f32 && !grad.bf16;
+    if (zero)
+        std::fill(g, g + kBf16Block, 0.0f);
+    for (int64_t b = begin; b < end; b += kBf16Block) {
+        const int64_t len = std::min(kBf16Block, end - b);
+        const float *gb = grad.f32 ? grad.f32 + b : g;
+        if (grad.bf16 && !grad.f32)
+            widen_bf16(grad.bf16 + b, g, len);
+        widen_bf16(exp_avg + b, m, len);
+        widen_bf16(exp_avg_sq + b, v, len);
+        adamw_block(param + b, gb, m, v, len, c);
+        narrow_two_bf16_stochastic(m, exp_avg + b, v, exp_avg_sq + b, len, b, salt);
+        if (live_bf16) // the copy the devices read next: streamed past the cache
+            narrow_bf16_nearest_streaming(param + b, live_bf16 + b, len);
+        // The gradient lines were just read: zeroing them now costs no second trip.
+        if (zero_grad && grad.f32)
+            std::memset(grad.f32 + b, 0, sizeof(float) * len);
+        else if (zero_grad && grad.bf16)
+            std::memset(grad.bf16 + b, 0, sizeof(uint16_t) * len);
+    }
+}
+
+} // namespace
 
 void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_avg,
                              uint16_t *exp_avg_sq, int64_t n, const AdamWHyper &h, int64_t step,
@@ -138,24 +171,26 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
     const AdamWConstants c = constants(h, step);
     const uint32_t salt = rounding_salt(step, param_index, 0);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        float g[kBf16Block], m[kBf16Block], v[kBf16Block];
-        for (int64_t b = begin; b < end; b += kBf16Block) {
-            const int64_t len = std::min(kBf16Block, end - b);
-            const float *gb = grad.f32 ? grad.f32 + b : g;
-            if (!grad.f32)
-                widen_bf16(grad.bf16 + b, g, len);
-            widen_bf16(exp_avg + b, m, len);
-            widen_bf16(exp_avg_sq + b, v, len);
-            adamw_block(param + b, gb, m, v, len, c);
-            narrow_two_bf16_stochastic(m, exp_avg + b, v, exp_avg_sq + b, len, b, salt);
-            if (live_bf16) // the copy the devices read next: streamed past the cache
-                narrow_bf16_nearest_streaming(param + b, live_bf16 + b, len);
-            // The gradient lines were just read: zeroing them now costs no second trip.
-            if (zero_grad && grad.f32)
-                std::memset(grad.f32 + b, 0, sizeof(float) * len);
-            else if (zero_grad)
-                std::memset(grad.bf16 + b, 0, sizeof(uint16_t) * len);
-        }
+        bf16_state_range(param, grad, exp_avg, exp_avg_sq, begin, end, c, salt, live_bf16,
+                         zero_grad);
+    });
+}
+
+void adamw_update_bf16_state_rows(float *param, const GradSpan &grad, uint16_t *exp_avg,
+                                  uint16_t *exp_avg_sq, int64_t rows, int64_t width,
+                                  const uint8_t *mask, uint8_t want, const AdamWHyper &h,
+                                  int64_t step, uint64_t param_index, uint16_t *live_bf16,
+                                  bool zero_grad) {
+    const AdamWConstants c = constants(h, step);
+    const uint32_t salt = rounding_salt(step, param_index, 0);
+    // Rows, not elements, are split over the threads (a row is wanted or not as a whole); about
+    // kGrain elements a task.
+    const int64_t grain_rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
+    at::parallel_for(0, rows, grain_rows, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+            if (mask[r] == want)
+                bf16_state_range(param, grad, exp_avg, exp_avg_sq, r * width, (r + 1) * width, c,
+                                 salt, live_bf16, zero_grad);
     });
 }
 

@@ -4,6 +4,9 @@
 // read and left as it was (it goes back to the staging pool). Checked against libtorch's
 // torch::optim::AdamW for the first step (moments start at zero, so bf16 storage of the moments
 // does not enter it yet), and the two kinds of gradient give bit-identical weights.
+// Also the update of a table's rows in two parts (adamw_update_bf16_state_rows: the rows a mask
+// marks with their gradient, then the others with a zero gradient, nothing read) against the
+// whole update of the same table whose unmarked rows' gradient is zero: bit for bit.
 #include <cmath>
 #include <cstdio>
 #include <vector>
@@ -11,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include "optim/adamw_kernel.h"
 #include "optim/builtin_optimizer.h"
 
 static int failures = 0;
@@ -39,6 +43,53 @@ Run make_run() {
         r.lives.push_back(at::zeros({n}, at::kBFloat16));
     }
     return r;
+}
+
+uint16_t *bits(const at::Tensor &t) {
+    return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
+}
+
+// One table updated whole, one in two parts; several steps, so the moments carry over.
+void check_rows_in_parts() {
+    const rp::AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 1e-2};
+    // A width of a whole number of blocks (an embedding's), and odd ones, whose rows start
+    // anywhere within a vector and a block of the whole update's pass.
+    for (int64_t width : {4096, 4099, 37}) {
+        const int64_t rows = 97;
+        at::manual_seed(11);
+        at::Tensor p_whole = at::randn({rows, width}), p_parts = p_whole.clone();
+        const at::Tensor p_start = p_whole.clone();
+        at::Tensor m_whole = at::zeros({rows, width}, at::kBFloat16), m_parts = m_whole.clone();
+        at::Tensor v_whole = m_whole.clone(), v_parts = m_whole.clone();
+        at::Tensor w_whole = m_whole.clone(), w_parts = m_whole.clone();
+        for (int64_t step = 1; step <= 3; ++step) {
+            at::Tensor used = at::rand({rows}).lt(0.3).to(at::kByte); // rows a call's tokens used
+            at::Tensor g =
+                (at::randn({rows, width}) * used.unsqueeze(1).to(at::kFloat)).to(at::kBFloat16);
+            at::Tensor g_parts = g.clone();
+            rp::GradSpan whole_grad;
+            whole_grad.bf16 = bits(g);
+            rp::adamw_update_bf16_state(p_whole.data_ptr<float>(), whole_grad, bits(m_whole),
+                                        bits(v_whole), rows * width, h, step, 5, bits(w_whole),
+                                        true);
+            rp::GradSpan used_grad;
+            used_grad.bf16 = bits(g_parts);
+            const uint8_t *mask = used.data_ptr<uint8_t>();
+            rp::adamw_update_bf16_state_rows(p_parts.data_ptr<float>(), used_grad, bits(m_parts),
+                                             bits(v_parts), rows, width, mask, 1, h, step, 5,
+                                             bits(w_parts), true);
+            rp::adamw_update_bf16_state_rows(p_parts.data_ptr<float>(), rp::GradSpan(),
+                                             bits(m_parts), bits(v_parts), rows, width, mask, 0, h,
+                                             step, 5, bits(w_parts), false);
+            expect(g_parts.eq(0).all().item<bool>(),
+                   "rows in parts: the used rows' gradient zeroed");
+        }
+        expect(p_parts.equal(p_whole), "rows in parts: the same master weights bit for bit");
+        for (auto [a, b] : {std::pair{m_parts, m_whole}, {v_parts, v_whole}, {w_parts, w_whole}})
+            expect(a.view(at::kShort).equal(b.view(at::kShort)),
+                   "rows in parts: the same moments and weight copy bit for bit");
+        expect(!p_whole.equal(p_start), "rows in parts: the steps moved the weights");
+    }
 }
 
 } // namespace
@@ -97,6 +148,8 @@ int main() {
         expect((lent.params[i] - params_before[i]).abs().max().item<double>() > 5e-4,
                "the step moved the weights (the comparison is not vacuous)");
     }
+
+    check_rows_in_parts();
 
     if (failures)
         std::fprintf(stderr, "%d check(s) failed\n", failures);
