@@ -176,6 +176,11 @@ class Layer {
     // bad token ids fail on the host before a GPU could index out of bounds (a device-side
     // assertion would poison the whole process).
     virtual int64_t input_index_limit() const { return 0; }
+    // A lookup table: its one parameter, [rows, width], is read only at the rows its integer
+    // input names (those input_index_limit bounds), so its gradient is zero on every other row.
+    // Lets an in-call step defer the update of the rows a call did not use (Model's deferred
+    // table rows), when the table is the first layer's and no other layer shares it.
+    virtual bool looks_up_rows() const { return false; }
     // Integer labels of a loss this layer fuses must lie in [0, label_index_limit()) or be
     // kIgnoreLabel; 0: the layer fuses no such loss. Asked of a model's last layer.
     virtual int64_t label_index_limit() const { return 0; }

@@ -64,6 +64,7 @@ Model::Model(std::vector<std::unique_ptr<Layer>> layers, const ModelOptions &o)
       scaler_(o.grad_scale >= 0 ? o.grad_scale : (o.model_dtype == at::kHalf ? 65536.0 : 0.0),
               o.grad_scale_growth_interval) {
     explicit_plan_ = o.stage_plan;
+    lookup_table_ = find_lookup_table();
     for (auto &layer : layers_)
         layer->drop_initial_values();
     if (o.data_parallel.world_size != 0) {
@@ -306,6 +307,8 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.loss = &scaled;
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
+    if (in_call_)
+        ctx.table_rows = table_rows_of(mb);
     phase.reset();
     run_training_pipeline(ctx, scale, nullptr);
     phase.emplace(timeline_, "caller", "loss");
@@ -677,6 +680,8 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     check_step_in_call();
     builtin_optimizer(settings->kind);
     in_call_ = *settings;
+    const char *defer = std::getenv("RP_DEFER_TABLE_ROWS"); // "0": off, to measure what it gives
+    defer_table_rows_ = !(defer && std::string(defer) == "0");
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
@@ -685,7 +690,10 @@ std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
         gradient_jobs_per_param(ctx),
         [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); });
     // After gate_call: this call uploads what the previous step left, the next one what this
-    // step leaves.
+    // step leaves. The table rows are posted here, where nothing can fail before the step is
+    // queued: a call failing earlier has posted nothing that a step could open the table for.
+    if (ctx.table_rows.defined())
+        call_rows_.post(enqueued_ + 1, ctx.table_rows);
     const int64_t number = ++enqueued_;
     runner_.submit([this, feed, number, settings = *in_call_] {
         run_in_call_step(settings, *feed, number);
@@ -699,6 +707,9 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
     builtin_targets(params, lives);
     std::vector<at::Tensor> grads = step_grads(); // lent downloads stand in while updated
     std::vector<bool> finished(store_.size(), false);
+    // Deferred table rows: this call posted the rows it used (model_table_rows.cpp).
+    const at::Tensor table_rows = call_rows_.rows_of(number);
+    bool next_rows_served = false;
     auto param_done = [&](size_t i, bool published) {
         param_finished(i, published, finished, number);
     };
@@ -723,6 +734,8 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
         std::vector<uint8_t> has_grad(store_.size(), 0), lent(store_.size(), 0);
         for (const GradAccumulator::FinalGradient &f : batch) {
             which.push_back(f.param);
+            if (table_rows.defined() && static_cast<int64_t>(f.param) == lookup_table_)
+                builtin_->split_next_update(f.param, table_rows);
             nonfinite += f.nonfinite ? 1 : 0;
             has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
             updated += has_grad[f.param] && params[f.param].defined() ? 1 : 0;
@@ -738,10 +751,29 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
                               std::to_string(which.size()) + " parameter(s)");
             builtin_->step(params, grads, settings, param_done, lives, has_grad, which, {},
                            lent);
+            serve_next_call_rows(number, next_rows_served);
         } catch (...) {
             error = std::current_exception();
         }
         give_back();
+    }
+    // The table's rows still deferred: the work for the stretch with no final gradient. In
+    // pieces of about 2^20 elements (a millisecond or two), so rows the next call posts
+    // meanwhile wait for one piece, not for the rest.
+    try {
+        std::optional<HostSpan> span;
+        if (builtin_->has_deferred_rows())
+            span.emplace(timeline_, "optimizer",
+                         "in-call step " + std::to_string(number) + ": deferred table rows");
+        while (builtin_->has_deferred_rows()) {
+            serve_next_call_rows(number, next_rows_served);
+            const int64_t width = store_.at(static_cast<size_t>(lookup_table_)).master.size(1);
+            builtin_->finish_deferred_rows(param_done,
+                                           std::max<int64_t>(1, (int64_t{1} << 20) / width));
+        }
+    } catch (...) {
+        if (!error)
+            error = std::current_exception();
     }
     finish_unfinished(finished, number);
     if (nonfinite > 0 && skip_nonfinite_steps_) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/call_rows.h"
 #include "engine/data_parallel.h"
 #include "engine/final_feed.h"
 #include "engine/grad_accumulator.h"
@@ -221,6 +222,16 @@ class Model {
     // thread feed it each final gradient; the caller closes the returned feed when the call ends.
     std::shared_ptr<FinalFeed> start_in_call_step(const CallContext &ctx);
     void run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed, int64_t number);
+    // Deferred table rows (model_table_rows.cpp, docs/semantics.md): the store index of the
+    // first layer's lookup table whose update an in-call step may split (-1: none), found once.
+    int64_t find_lookup_table() const;
+    // The rows of that table the call of `mb` reads (uint8 per row), when this call's in-call
+    // step will split the table's update; undefined otherwise.
+    at::Tensor table_rows_of(const Microbatches &mb) const;
+    // Optimizer thread, in-call step `number` with a split table update pending: once the next
+    // call has posted the rows it reads, updates those and opens the table to that call.
+    // `served`: done already (once a step).
+    void serve_next_call_rows(int64_t number, bool &served);
     void run_step(const StepUpdate &update, const GradFlags::Snapshot &grads, int64_t number);
     // Memory-saving mode, optimizer thread: step `number` is done with parameter i (`published`:
     // the update refreshed its weight copy and zeroed its gradient); it opens to the next call.
@@ -306,6 +317,11 @@ class Model {
     GradAccumulator gradients_{store_, flags_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     std::optional<OptimizerSettings> in_call_; // in-call steps' settings; none: explicit steps
+    // In-call steps split the lookup table's update (RP_DEFER_TABLE_ROWS, read when they are
+    // switched on; default on).
+    bool defer_table_rows_ = true;
+    int64_t lookup_table_ = -1; // find_lookup_table()
+    CallRows call_rows_;        // what each in-call training call posts for the step before it
     GradScaler scaler_;
     StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds
     std::unique_ptr<PendingBackward> pending_;

@@ -75,6 +75,9 @@ struct CallContext {
     // every parameter of the stage.
     const StepGate *gate = nullptr;
     int64_t gate_step = 0;
+    // In-call steps: the rows of the model's lookup table this call reads (uint8 per row; see
+    // Model::table_rows_of); undefined when its table's update is not deferred.
+    at::Tensor table_rows;
 
     // Written by the jobs; read by the caller once every lane has finished.
     std::vector<std::vector<Transfer>> stage_inputs; // [backward stage][mb], in host memory

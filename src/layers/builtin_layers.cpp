@@ -75,6 +75,7 @@ class Embedding final : public Layer {
     }
     std::string type() const override { return "embedding"; }
     int64_t input_index_limit() const override { return num_; }
+    bool looks_up_rows() const override { return true; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &x,
                        const LayerContext &lc) const override {
         return at::embedding(p[0], x, -1, false, embedding_row_gradient(lc, x, p[0]));

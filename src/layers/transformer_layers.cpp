@@ -19,6 +19,7 @@ class TokenEmbedding final : public Layer {
     }
     std::string type() const override { return "token_embedding"; }
     int64_t input_index_limit() const override { return vocab(); }
+    bool looks_up_rows() const override { return true; }
     int64_t vocab() const { return num_; }
     at::Tensor forward(const std::vector<at::Tensor> &p, const at::Tensor &ids,
                        const LayerContext &lc) const override {

@@ -177,16 +177,16 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
 }
 
 void adamw_update_bf16_state_rows(float *param, const GradSpan &grad, uint16_t *exp_avg,
-                                  uint16_t *exp_avg_sq, int64_t rows, int64_t width,
-                                  const uint8_t *mask, uint8_t want, const AdamWHyper &h,
-                                  int64_t step, uint64_t param_index, uint16_t *live_bf16,
-                                  bool zero_grad) {
+                                  uint16_t *exp_avg_sq, int64_t row_begin, int64_t row_end,
+                                  int64_t width, const uint8_t *mask, uint8_t want,
+                                  const AdamWHyper &h, int64_t step, uint64_t param_index,
+                                  uint16_t *live_bf16, bool zero_grad) {
     const AdamWConstants c = constants(h, step);
     const uint32_t salt = rounding_salt(step, param_index, 0);
     // Rows, not elements, are split over the threads (a row is wanted or not as a whole); about
     // kGrain elements a task.
     const int64_t grain_rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
-    at::parallel_for(0, rows, grain_rows, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(row_begin, row_end, grain_rows, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
             if (mask[r] == want)
                 bf16_state_range(param, grad, exp_avg, exp_avg_sq, r * width, (r + 1) * width, c,

@@ -43,16 +43,17 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
                              uint64_t param_index, uint16_t *live_bf16 = nullptr,
                              bool zero_grad = false);
 
-// adamw_update_bf16_state over some rows of a [rows, width] parameter: those whose `mask` byte
-// equals `want`, the others untouched. Each element gets bit for bit what the whole update gives
-// it (the same arithmetic, and stochastic rounding keyed on its index in the whole parameter), so
-// a step may update a parameter's rows in parts, in any order, all with the same `step`. A
-// GradSpan with no array is a zero gradient (nothing read): an embedding's rows that no token
-// used. For an embedding whose untouched rows' update is deferred past the touched ones.
+// adamw_update_bf16_state over some rows of a [rows, width] parameter: those of rows
+// [row_begin, row_end) whose `mask` byte (one per row of the whole parameter) equals `want`, the
+// others untouched. Each element gets bit for bit what the whole update gives it (the same
+// arithmetic, and stochastic rounding keyed on its index in the whole parameter), so a step may
+// update a parameter's rows in parts, in any order, all with the same `step`. A GradSpan with no
+// array is a zero gradient (nothing read): an embedding's rows that no token used. For an
+// embedding whose untouched rows' update is deferred past the touched ones.
 void adamw_update_bf16_state_rows(float *param, const GradSpan &grad, uint16_t *exp_avg,
-                                  uint16_t *exp_avg_sq, int64_t rows, int64_t width,
-                                  const uint8_t *mask, uint8_t want, const AdamWHyper &h,
-                                  int64_t step, uint64_t param_index, uint16_t *live_bf16,
-                                  bool zero_grad);
+                                  uint16_t *exp_avg_sq, int64_t row_begin, int64_t row_end,
+                                  int64_t width, const uint8_t *mask, uint8_t want,
+                                  const AdamWHyper &h, int64_t step, uint64_t param_index,
+                                  uint16_t *live_bf16, bool zero_grad);
 
 } // namespace rp

@@ -1,5 +1,7 @@
 #include "optim/builtin_optimizer.h"
 
+#include <algorithm>
+
 #include "base/error.h"
 #include "optim/adamw_kernel.h"
 #include "optim/sgd_kernel.h"
@@ -39,6 +41,10 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const std::vector<uint8_t> &lent) {
     if (steps_.empty())
         steps_.assign(params.size(), 0);
+    struct DropSplit { // a split applies to this call only, whatever happens in it
+        size_t &param;
+        ~DropSplit() { param = kNone; }
+    } drop_split{split_param_};
     std::vector<size_t> all;
     if (which.empty())
         for (size_t i = 0; i < params.size(); ++i)
@@ -85,6 +91,16 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                                  first_moment_[i].data_ptr<float>(),
                                  second_moment_[i].data_ptr<float>(), params[i].numel(), h,
                                  steps_[i], bf16_bits(lives[i]));
+        } else if (bf16_state_ && publish && i == split_param_ && params[i].dim() == 2) {
+            const bool own_grad = !(i < lent.size() && lent[i]);
+            adamw_update_bf16_state_rows(params[i].data_ptr<float>(), grad_span(grads[i]),
+                                         bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
+                                         0, params[i].size(0), params[i].numel() / params[i].size(0),
+                                         split_rows_.data_ptr<uint8_t>(), 1, h, steps_[i], i,
+                                         bf16_bits(lives[i]), own_grad);
+            deferred_ = {i, params[i], lives[i], split_rows_.ne(0).to(at::kByte), s, steps_[i]};
+            split_param_ = kNone;
+            continue; // done when the deferred rows are (finish_deferred_rows)
         } else if (bf16_state_) {
             // A lent download is not zeroed: 2 of the 22 bytes a parameter the pass would move.
             const bool own_grad = !(i < lent.size() && lent[i]);
@@ -100,6 +116,54 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
         if (done)
             done(i, publish);
     }
+}
+
+void BuiltinOptimizer::split_next_update(size_t param, at::Tensor rows_now) {
+    require(!has_deferred_rows() && rows_now.scalar_type() == at::kByte &&
+                rows_now.is_contiguous() && rows_now.dim() == 1,
+            "a split update while another has rows left, or a row mask that is not uint8");
+    split_param_ = param;
+    split_rows_ = rows_now.ne(0).to(at::kByte);
+}
+
+void BuiltinOptimizer::update_deferred(const at::Tensor &rows_done, int64_t row_begin,
+                                       int64_t row_end) {
+    const DeferredRows &d = deferred_;
+    const OptimizerSettings &s = d.settings;
+    const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
+    const size_t i = d.param;
+    adamw_update_bf16_state_rows(d.master.data_ptr<float>(), GradSpan(),
+                                 bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
+                                 row_begin, row_end, d.master.numel() / d.master.size(0),
+                                 rows_done.data_ptr<uint8_t>(), 0, h, d.step, i,
+                                 bf16_bits(d.live), false);
+}
+
+void BuiltinOptimizer::serve_deferred_rows(const at::Tensor &needed) {
+    if (!has_deferred_rows())
+        return;
+    // Done for this pass: every row but those needed and not yet updated.
+    const at::Tensor skip = needed.eq(0).logical_or(deferred_.rows_done).to(at::kByte);
+    update_deferred(skip, 0, skip.size(0));
+    deferred_.rows_done.bitwise_or_(needed.ne(0).to(at::kByte));
+}
+
+bool BuiltinOptimizer::finish_deferred_rows(const ParamDone &done, int64_t max_rows) {
+    if (!has_deferred_rows())
+        return false;
+    DeferredRows &d = deferred_;
+    const int64_t rows = d.rows_done.size(0);
+    const int64_t end = max_rows > 0 ? std::min(rows, d.next_row + max_rows) : rows;
+    update_deferred(d.rows_done, d.next_row, end);
+    d.rows_done.narrow(0, d.next_row, end - d.next_row).fill_(1);
+    d.next_row = end;
+    if (end < rows)
+        return false;
+    const size_t i = d.param;
+    deferred_ = DeferredRows();
+    if (done)
+        done(i, true);
+    return true;
 }
 
 void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,

@@ -60,11 +60,40 @@ class BuiltinOptimizer {
               const std::vector<uint8_t> &has_grad = {}, const std::vector<size_t> &which = {},
               const std::vector<AddedRows> &added_rows = {},
               const std::vector<uint8_t> &lent = {});
+    // A table's update in two parts (memory-saving AdamW with a bf16 weight copy only): if the
+    // next step() updates parameter `param` ([rows, width]), it updates only the rows `rows_now`
+    // marks (uint8 per row, 1: now), reading the gradient there, and does not report the
+    // parameter done. The other rows must have a zero gradient (an embedding's rows no token of
+    // the call used): serve_deferred_rows and finish_deferred_rows update them later with that
+    // step's count and hyperparameters, each element bit for bit what the whole update gives it
+    // (adamw_update_bf16_state_rows). Anything else (SGD, fp32 state, no weight copy, no
+    // gradient) updates the whole parameter as usual; the next step() drops the split either
+    // way. At most one split update with rows left at a time.
+    void split_next_update(size_t param, at::Tensor rows_now);
+    // Whether a split update has rows left (between it and finish_deferred_rows).
+    bool has_deferred_rows() const { return deferred_.param != kNone; }
+    // Updates the deferred rows `needed` marks (uint8 per row), so that a reader of only those
+    // rows may go ahead; they are no longer deferred.
+    void serve_deferred_rows(const at::Tensor &needed);
+    // Updates the deferred rows among the next `max_rows` rows (<= 0: all the rest), in row
+    // order, so that a caller can serve needed rows in between; once the last row is passed,
+    // reports the parameter done (published) and returns true.
+    bool finish_deferred_rows(const ParamDone &done, int64_t max_rows = 0);
     // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
     // allocated on the optimizer thread while the caller may ask.
     int64_t state_bytes() const { return state_bytes_; }
 
   private:
+    static constexpr size_t kNone = static_cast<size_t>(-1);
+    // A split update's rows still to do: `rows_done` (uint8 per row, 1: updated), and what the
+    // update they belong to used.
+    struct DeferredRows {
+        size_t param = kNone;
+        at::Tensor master, live, rows_done;
+        OptimizerSettings settings;
+        int64_t step = 0;
+        int64_t next_row = 0; // finish_deferred_rows's progress
+    };
     OptimizerKind kind_;
     bool bf16_state_;
     std::vector<int64_t> steps_;  // per parameter: the steps that updated it (bias correction)
@@ -72,6 +101,12 @@ class BuiltinOptimizer {
     std::vector<at::Tensor> second_moment_; // AdamW exp_avg_sq
     std::vector<uint8_t> seeded_;           // SGD: the momentum buffer holds a gradient
     std::atomic<int64_t> state_bytes_{0};
+    size_t split_param_ = kNone; // split_next_update's parameter, until its update
+    at::Tensor split_rows_;
+    DeferredRows deferred_;
+
+    // Updates, with a zero gradient, the rows of [row_begin, row_end) that `rows_done` marks 0.
+    void update_deferred(const at::Tensor &rows_done, int64_t row_begin, int64_t row_end);
 
     void count_state(); // after allocating state
     void step_adamw(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,

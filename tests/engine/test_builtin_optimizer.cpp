@@ -76,10 +76,10 @@ void check_rows_in_parts() {
             used_grad.bf16 = bits(g_parts);
             const uint8_t *mask = used.data_ptr<uint8_t>();
             rp::adamw_update_bf16_state_rows(p_parts.data_ptr<float>(), used_grad, bits(m_parts),
-                                             bits(v_parts), rows, width, mask, 1, h, step, 5,
+                                             bits(v_parts), 0, rows, width, mask, 1, h, step, 5,
                                              bits(w_parts), true);
             rp::adamw_update_bf16_state_rows(p_parts.data_ptr<float>(), rp::GradSpan(),
-                                             bits(m_parts), bits(v_parts), rows, width, mask, 0, h,
+                                             bits(m_parts), bits(v_parts), 0, rows, width, mask, 0, h,
                                              step, 5, bits(w_parts), false);
             expect(g_parts.eq(0).all().item<bool>(),
                    "rows in parts: the used rows' gradient zeroed");
@@ -90,6 +90,57 @@ void check_rows_in_parts() {
                    "rows in parts: the same moments and weight copy bit for bit");
         expect(!p_whole.equal(p_start), "rows in parts: the steps moved the weights");
     }
+}
+
+// BuiltinOptimizer's split update of a table (split_next_update, serve_deferred_rows,
+// finish_deferred_rows) against the same optimizer updating the whole table, over three steps
+// with a small parameter beside it: bit for bit, the table reported done only once its deferred
+// rows are, and a split dropped when the step does not update the table.
+void check_split_update() {
+    const rp::OptimizerSettings s{rp::OptimizerKind::AdamW, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0.0};
+    const int64_t rows = 53, width = 4099;
+    at::manual_seed(13);
+    std::vector<at::Tensor> p_whole{at::randn({rows, width}), at::randn({300})};
+    std::vector<at::Tensor> p_split{p_whole[0].clone(), p_whole[1].clone()};
+    auto zeros_bf16 = [](const at::Tensor &t) { return at::zeros_like(t, at::kBFloat16); };
+    std::vector<at::Tensor> w_whole{zeros_bf16(p_whole[0]), zeros_bf16(p_whole[1])};
+    std::vector<at::Tensor> w_split{zeros_bf16(p_whole[0]), zeros_bf16(p_whole[1])};
+    rp::BuiltinOptimizer whole(rp::OptimizerKind::AdamW, true), split(rp::OptimizerKind::AdamW, true);
+    for (int step = 1; step <= 3; ++step) {
+        const at::Tensor used = at::rand({rows}).lt(0.3).to(at::kByte);
+        const at::Tensor next = at::rand({rows}).lt(0.3).to(at::kByte); // the next call's rows
+        const at::Tensor g = (at::randn({rows, width}) * used.unsqueeze(1).to(at::kFloat))
+                                 .to(at::kBFloat16);
+        const at::Tensor small = at::randn({300}).to(at::kBFloat16);
+        std::vector<at::Tensor> g_whole{g.clone(), small.clone()}, g_split{g.clone(), small.clone()};
+        whole.step(p_whole, g_whole, s, {}, w_whole);
+        std::vector<int> done(2, 0);
+        auto count = [&](size_t i, bool) { ++done[i]; };
+        split.split_next_update(0, used);
+        split.step(p_split, g_split, s, count, w_split, {}, {0});
+        expect(done[0] == 0 && split.has_deferred_rows(),
+               "split update: the table is not done while rows are deferred");
+        split.step(p_split, g_split, s, count, w_split, {}, {1});
+        if (step != 2) // step 2: nobody asks for the next call's rows first
+            split.serve_deferred_rows(next);
+        expect(done[0] == 0, "split update: serving rows does not finish the table");
+        split.finish_deferred_rows(count);
+        expect(done[0] == 1 && done[1] == 1 && !split.has_deferred_rows(),
+               "split update: each parameter reported done once");
+        expect(g_split[0].eq(0).all().item<bool>(), "split update: the used rows' gradient zeroed");
+    }
+    expect(p_split[0].equal(p_whole[0]) && p_split[1].equal(p_whole[1]),
+           "split update: the same master weights bit for bit");
+    expect(w_split[0].view(at::kShort).equal(w_whole[0].view(at::kShort)),
+           "split update: the same weight copy bit for bit");
+    // A split for a step that does not update the table is dropped: the table's next update is
+    // whole, nothing deferred.
+    split.split_next_update(0, at::ones({rows}, at::kByte));
+    std::vector<at::Tensor> g_zero{at::zeros({rows, width}, at::kBFloat16),
+                                   at::zeros({300}, at::kBFloat16)};
+    split.step(p_split, g_zero, s, {}, w_split, {}, {1});
+    split.step(p_split, g_zero, s, {}, w_split);
+    expect(!split.has_deferred_rows(), "split update: dropped by a step that does not update it");
 }
 
 } // namespace
@@ -150,6 +201,7 @@ int main() {
     }
 
     check_rows_in_parts();
+    check_split_update();
 
     if (failures)
         std::fprintf(stderr, "%d check(s) failed\n", failures);
