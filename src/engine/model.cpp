@@ -419,6 +419,7 @@ void Model::rethrow_step_error() {
 }
 
 void Model::gate_call(CallContext &ctx) const {
+    ctx.gpu_memory_cap = gpu_memory_cap_;
     // Memory-saving mode has one weight copy: a stage may go up only once the steps queued so
     // far have updated it (and consumed its gradients, which this call will write).
     if (store_.saving()) {
@@ -758,7 +759,8 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
         give_back();
     }
     // The table's rows still deferred: the work for the stretch with no final gradient. In
-    // pieces of about 2^20 elements (a millisecond or two), so rows the next call posts
+    // pieces of about 2^22 elements (a millisecond on a GPU host's 32 threads; smaller pieces
+    // leave each thread too little to do between wake-ups), so rows the next call posts
     // meanwhile wait for one piece, not for the rest.
     try {
         std::optional<HostSpan> span;
@@ -769,7 +771,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
             serve_next_call_rows(number, next_rows_served);
             const int64_t width = store_.at(static_cast<size_t>(lookup_table_)).master.size(1);
             builtin_->finish_deferred_rows(param_done,
-                                           std::max<int64_t>(1, (int64_t{1} << 20) / width));
+                                           std::max<int64_t>(1, (int64_t{1} << 22) / width));
         }
     } catch (...) {
         if (!error)

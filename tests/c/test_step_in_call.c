@@ -430,14 +430,14 @@ static void a_call_failing_in_a_backward_stage_keeps_the_final_updates_only(void
  * once and defers the others (docs/semantics.md "Deferred table rows"), serving the rows the next
  * call posts first. Against the same calls with explicit steps, bit for bit: the weights after
  * five calls (each on other random tokens of a 200,000-row table, so nearly every row is
- * deferred each time, in seven pieces, long enough for the next call to post its rows
+ * deferred each time, in four pieces, long enough for the next call to post its rows
  * meanwhile), every call's loss, and an rp_forward between two calls that reads every row (a
  * reader that posted nothing must find the whole update). */
-enum { VOCAB = 200000, TOKENS = 24, WIDTH = 32 };
+enum { VOCAB = 200000, TOKENS = 24, WIDTH = 64 };
 
 static const char *TABLE_SPEC =
-    "{\"layers\": [{\"type\": \"embedding\", \"num\": 200000, \"dim\": 32},"
-    " {\"type\": \"linear\", \"in\": 32, \"out\": 32}, {\"type\": \"tanh\"},"
+    "{\"layers\": [{\"type\": \"embedding\", \"num\": 200000, \"dim\": 64},"
+    " {\"type\": \"linear\", \"in\": 64, \"out\": 32}, {\"type\": \"tanh\"},"
     " {\"type\": \"linear\", \"in\": 32, \"out\": 3}]}";
 
 static rp_model *make_table_model(void) {
