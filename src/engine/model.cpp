@@ -419,7 +419,6 @@ void Model::rethrow_step_error() {
 }
 
 void Model::gate_call(CallContext &ctx) const {
-    ctx.gpu_memory_cap = gpu_memory_cap_;
     // Memory-saving mode has one weight copy: a stage may go up only once the steps queued so
     // far have updated it (and consumed its gradients, which this call will write).
     if (store_.saving()) {

@@ -60,53 +60,6 @@ bool room_on_gpu(DeviceLane &lane, int64_t bytes, int64_t cap) {
     return held + bytes <= cap / 10 * 9;
 }
 
-constexpr size_t kNoJob = static_cast<size_t>(-1);
-
-// RP_KEEP_FORWARD_WEIGHTS=1: a fused call's forward jobs leave their weights on the device for
-// their stage's backward job there (off by default while it is measured).
-bool keep_forward_weights() {
-    static const bool on = [] {
-        const char *v = std::getenv("RP_KEEP_FORWARD_WEIGHTS");
-        return v && std::string(v) == "1";
-    }();
-    return on;
-}
-
-// Per job: for a forward job whose stage the backward re-runs on the same device (same layers,
-// no buffers, which the forward writes back), the index of that backward job; else kNoJob.
-std::vector<size_t> backward_job_keeping_weights(const CallContext &ctx,
-                                                 const std::vector<CallJob> &jobs) {
-    std::vector<size_t> out(jobs.size(), kNoJob);
-    if (ctx.kind != CallKind::Fused || !keep_forward_weights())
-        return out;
-    for (size_t b = 0; b < jobs.size(); ++b) {
-        if (jobs[b].kind != JobKind::Backward)
-            continue;
-        const size_t s = jobs[b].stage;
-        if (s >= jobs.size() || jobs[s].kind != JobKind::Forward || jobs[s].stage != s ||
-            ctx.job_device[s] != ctx.job_device[b])
-            continue;
-        const Stage &fw = ctx.stages[s], &bw = ctx.backward_stages[s];
-        if (fw.first_layer != bw.first_layer || fw.end_layer != bw.end_layer)
-            continue;
-        bool buffers = false;
-        for (size_t pi : stage_params(ctx, fw))
-            buffers = buffers || ctx.store.at(pi).role == ParamRole::Buffer;
-        if (!buffers)
-            out[s] = b;
-    }
-    return out;
-}
-
-// After the upload of a forward job whose weights its backward could reuse: whether they stay,
-// held through the rest of the forward and the backward down to that stage; only while the GPU
-// holds at most half the cap (no cap known: no).
-bool kept_for_backward(DeviceLane &lane, int64_t cap) {
-    if (!lane.device().is_cuda() || cap <= 0)
-        return false;
-    return gpu_memory_stats(lane.device().index()).allocated_bytes <= cap / 2;
-}
-
 } // namespace
 
 std::function<void()> Pipeline::next_call_upload(CallContext &ctx,
@@ -195,21 +148,6 @@ void Pipeline::run(CallContext &ctx) {
     for (size_t d = 0; d < G; ++d)
         for (size_t k = 0; k < kCarriedJobs; ++k)
             trace_.push_back({trace_.size(), 0, d, JobKind::Forward, {}, true});
-    // A fused call's forward job whose stage's backward job runs on the same device later may
-    // leave its weights there for it (kept_for_backward), instead of both uploading them.
-    const std::vector<size_t> backward_job = backward_job_keeping_weights(ctx, jobs);
-    std::vector<std::shared_ptr<Transfer>> job_weights(num_jobs);
-    // Set by such a forward job's upload (before the backward's can start, later on the same
-    // device): whether it keeps them.
-    std::vector<std::shared_ptr<bool>> kept(num_jobs);
-    for (size_t job = 0; job < num_jobs; ++job)
-        if (!job_weights[job]) {
-            job_weights[job] = std::make_shared<Transfer>();
-            if (backward_job[job] != kNoJob) {
-                job_weights[backward_job[job]] = job_weights[job];
-                kept[job] = kept[backward_job[job]] = std::make_shared<bool>(false);
-            }
-        }
     std::vector<std::vector<StageJob>> per_worker(G);
     for (size_t job = 0; job < num_jobs; ++job) {
         const size_t device = ctx.job_device[job];
@@ -218,23 +156,15 @@ void Pipeline::run(CallContext &ctx) {
         const Stage &layers = job_stage(ctx, kind, stage);
         DeviceLane &lane = workers_[device]->lane();
         // The prefetch (weight upload) and the run share the uploaded weights and any failure.
-        const std::shared_ptr<Transfer> weights = job_weights[job];
+        auto weights = std::make_shared<Transfer>();
         auto prefetch_error = std::make_shared<std::exception_ptr>();
-        const bool keeps = backward_job[job] != kNoJob; // else kept[job]: the backward's
-        const std::shared_ptr<bool> keep = kept[job];
-        const int64_t cap = ctx.gpu_memory_cap;
         StageJob j;
         // Jobs kG to kG + G - 1 are the k-th on their devices.
         CarriedWeights *carried = job / G < kCarriedJobs ? &carried_in[device][job / G] : nullptr;
-        j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job, carried, keep, keeps,
-                      cap] {
+        j.prefetch = [&ctx, &lane, weights, prefetch_error, &layers, job, carried] {
             try {
-                if (keep && !keeps && *keep)
-                    return; // the forward job left them on this device
                 if (!(carried && take_carried(ctx, layers, std::move(*carried), *weights)))
                     *weights = upload_stage_weights(ctx, layers, lane, job);
-                if (keeps)
-                    *keep = kept_for_backward(lane, cap);
             } catch (...) {
                 *prefetch_error = std::current_exception();
             }
@@ -245,8 +175,7 @@ void Pipeline::run(CallContext &ctx) {
         std::function<void()> carry;
         if (ctx.next_call_weights && job + G >= num_jobs && lane.device().is_cuda())
             carry = next_call_upload(ctx, jobs, device);
-        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, &layers, job, carry,
-                 keep, keeps] {
+        j.run = [&ctx, &state, &lane, weights, prefetch_error, kind, stage, &layers, job, carry] {
             try {
                 if (*prefetch_error)
                     std::rethrow_exception(*prefetch_error);
@@ -261,8 +190,7 @@ void Pipeline::run(CallContext &ctx) {
             } catch (...) {
                 state.fail(std::current_exception());
             }
-            if (!(keeps && *keep))
-                *weights = Transfer(); // this stage's device weights may go now
+            *weights = Transfer(); // this stage's device weights may go now
             state.job_finished();
         };
         per_worker[device].push_back(std::move(j));
