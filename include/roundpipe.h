@@ -24,6 +24,17 @@
  *   - RP_OPTIMIZER_THREADS=N: cap the threads of the CPU optimizer's parallel loops (AdamW, SGD,
  *     the overflow check) at N >= 1; unset or invalid, libtorch's intra-op thread count is used.
  *     Read when a model's optimizer thread starts.
+ *   - RP_DEFER_TABLE_ROWS=0: in-call steps (rp_model_set_step_in_call) update an embedding first
+ *     layer's whole table at once instead of deferring the rows no token used (docs/semantics.md
+ *     "Deferred table rows"); results are bit for bit the same. Read by rp_model_set_step_in_call.
+ *   - RP_NEXT_CALL_WEIGHTS=0: a GPU call in the standard mode does not upload, during each
+ *     device's last job, the weights the next call's first jobs there will read. Read once.
+ *   - RP_PEER_HAND_OFFS=0: activations and gradients cross between GPUs through host memory
+ *     instead of direct peer copies. Read when a model is created.
+ *   - RP_UPLOAD_THREAD=0: each GPU's next weight upload is enqueued by its worker before the job
+ *     at hand instead of by an uploader thread beside it. Read when a model is created.
+ *   - RP_HOST_MEMORY_LIMIT_MB=N: host memory the library may plan for, when less than the
+ *     machine's (docs/semantics.md "Host memory").
  *   - RP_LOG_LEVEL=debug|info|warn|error: the lowest level of log message the library emits, to
  *     any sink: it overrides the default sink's level (warn) and the `min_level` of
  *     rp_set_log_callback. Unset or invalid (reported on stderr), those apply. Read at the first
