@@ -35,8 +35,7 @@ GradSpan grad_span(const at::Tensor &g) {
 void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
                             const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
                             const ParamDone &done, const std::vector<at::Tensor> &lives,
-                            const std::vector<uint8_t> &has_grad,
-                            const std::vector<size_t> &which,
+                            const std::vector<uint8_t> &has_grad, const std::vector<size_t> &which,
                             const std::vector<AddedRows> &added_rows,
                             const std::vector<uint8_t> &lent) {
     if (steps_.empty())
@@ -63,11 +62,10 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
 }
 
 void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
-                                  const std::vector<at::Tensor> &grads,
-                                  const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
-                                  const std::vector<bool> &update,
-                                  const std::vector<size_t> &which, const ParamDone &done,
-                                  const std::vector<AddedRows> &added_rows,
+                                  const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
+                                  const std::vector<at::Tensor> &lives,
+                                  const std::vector<bool> &update, const std::vector<size_t> &which,
+                                  const ParamDone &done, const std::vector<AddedRows> &added_rows,
                                   const std::vector<uint8_t> &lent) {
     if (first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
@@ -91,13 +89,14 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                                  first_moment_[i].data_ptr<float>(),
                                  second_moment_[i].data_ptr<float>(), params[i].numel(), h,
                                  steps_[i], bf16_bits(lives[i]));
-        } else if (bf16_state_ && publish && i == split_param_ && params[i].dim() == 2) {
+        } else if (bf16_state_ && publish && i == split_param_ && params[i].dim() == 2 &&
+                   split_rows_.size(0) == params[i].size(0)) {
             const bool own_grad = !(i < lent.size() && lent[i]);
-            adamw_update_bf16_state_rows(params[i].data_ptr<float>(), grad_span(grads[i]),
-                                         bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
-                                         0, params[i].size(0), params[i].numel() / params[i].size(0),
-                                         split_rows_.data_ptr<uint8_t>(), 1, h, steps_[i], i,
-                                         bf16_bits(lives[i]), own_grad);
+            adamw_update_bf16_state_rows(
+                params[i].data_ptr<float>(), grad_span(grads[i]), bf16_bits(first_moment_[i]),
+                bf16_bits(second_moment_[i]), 0, params[i].size(0),
+                params[i].numel() / params[i].size(0), split_rows_.data_ptr<uint8_t>(), 1, h,
+                steps_[i], i, bf16_bits(lives[i]), own_grad);
             deferred_ = {i, params[i], lives[i], split_rows_.ne(0).to(at::kByte), s, steps_[i]};
             split_param_ = kNone;
             continue; // done when the deferred rows are (finish_deferred_rows)
@@ -132,11 +131,10 @@ void BuiltinOptimizer::update_deferred(const at::Tensor &rows_done, int64_t row_
     const OptimizerSettings &s = d.settings;
     const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
     const size_t i = d.param;
-    adamw_update_bf16_state_rows(d.master.data_ptr<float>(), GradSpan(),
-                                 bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
-                                 row_begin, row_end, d.master.numel() / d.master.size(0),
-                                 rows_done.data_ptr<uint8_t>(), 0, h, d.step, i,
-                                 bf16_bits(d.live), false);
+    adamw_update_bf16_state_rows(
+        d.master.data_ptr<float>(), GradSpan(), bf16_bits(first_moment_[i]),
+        bf16_bits(second_moment_[i]), row_begin, row_end, d.master.numel() / d.master.size(0),
+        rows_done.data_ptr<uint8_t>(), 0, h, d.step, i, bf16_bits(d.live), false);
 }
 
 void BuiltinOptimizer::serve_deferred_rows(const at::Tensor &needed) {
@@ -168,8 +166,8 @@ bool BuiltinOptimizer::finish_deferred_rows(const ParamDone &done, int64_t max_r
 
 void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,
                                 const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                                const std::vector<bool> &update,
-                                const std::vector<size_t> &which, const ParamDone &done) {
+                                const std::vector<bool> &update, const std::vector<size_t> &which,
+                                const ParamDone &done) {
     // Like torch, a momentum buffer starts as the first gradient it sees, which may be after
     // momentum was switched on between steps, or at a parameter's first gradient.
     const bool momentum = s.momentum != 0.0;

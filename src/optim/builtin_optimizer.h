@@ -56,9 +56,8 @@ class BuiltinOptimizer {
     // thread; state is allocated at the first call.
     void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
               const OptimizerSettings &settings, const ParamDone &done = {},
-              const std::vector<at::Tensor> &lives = {},
-              const std::vector<uint8_t> &has_grad = {}, const std::vector<size_t> &which = {},
-              const std::vector<AddedRows> &added_rows = {},
+              const std::vector<at::Tensor> &lives = {}, const std::vector<uint8_t> &has_grad = {},
+              const std::vector<size_t> &which = {}, const std::vector<AddedRows> &added_rows = {},
               const std::vector<uint8_t> &lent = {});
     // A table's update in two parts (memory-saving AdamW with a bf16 weight copy only): if the
     // next step() updates parameter `param` ([rows, width]), it updates only the rows `rows_now`
@@ -96,7 +95,7 @@ class BuiltinOptimizer {
     };
     OptimizerKind kind_;
     bool bf16_state_;
-    std::vector<int64_t> steps_;  // per parameter: the steps that updated it (bias correction)
+    std::vector<int64_t> steps_; // per parameter: the steps that updated it (bias correction)
     std::vector<at::Tensor> first_moment_;  // AdamW exp_avg, SGD momentum buffer
     std::vector<at::Tensor> second_moment_; // AdamW exp_avg_sq
     std::vector<uint8_t> seeded_;           // SGD: the momentum buffer holds a gradient

@@ -79,8 +79,8 @@ void check_rows_in_parts() {
                                              bits(v_parts), 0, rows, width, mask, 1, h, step, 5,
                                              bits(w_parts), true);
             rp::adamw_update_bf16_state_rows(p_parts.data_ptr<float>(), rp::GradSpan(),
-                                             bits(m_parts), bits(v_parts), 0, rows, width, mask, 0, h,
-                                             step, 5, bits(w_parts), false);
+                                             bits(m_parts), bits(v_parts), 0, rows, width, mask, 0,
+                                             h, step, 5, bits(w_parts), false);
             expect(g_parts.eq(0).all().item<bool>(),
                    "rows in parts: the used rows' gradient zeroed");
         }
@@ -105,14 +105,16 @@ void check_split_update() {
     auto zeros_bf16 = [](const at::Tensor &t) { return at::zeros_like(t, at::kBFloat16); };
     std::vector<at::Tensor> w_whole{zeros_bf16(p_whole[0]), zeros_bf16(p_whole[1])};
     std::vector<at::Tensor> w_split{zeros_bf16(p_whole[0]), zeros_bf16(p_whole[1])};
-    rp::BuiltinOptimizer whole(rp::OptimizerKind::AdamW, true), split(rp::OptimizerKind::AdamW, true);
+    rp::BuiltinOptimizer whole(rp::OptimizerKind::AdamW, true),
+        split(rp::OptimizerKind::AdamW, true);
     for (int step = 1; step <= 3; ++step) {
         const at::Tensor used = at::rand({rows}).lt(0.3).to(at::kByte);
         const at::Tensor next = at::rand({rows}).lt(0.3).to(at::kByte); // the next call's rows
-        const at::Tensor g = (at::randn({rows, width}) * used.unsqueeze(1).to(at::kFloat))
-                                 .to(at::kBFloat16);
+        const at::Tensor g =
+            (at::randn({rows, width}) * used.unsqueeze(1).to(at::kFloat)).to(at::kBFloat16);
         const at::Tensor small = at::randn({300}).to(at::kBFloat16);
-        std::vector<at::Tensor> g_whole{g.clone(), small.clone()}, g_split{g.clone(), small.clone()};
+        std::vector<at::Tensor> g_whole{g.clone(), small.clone()},
+            g_split{g.clone(), small.clone()};
         whole.step(p_whole, g_whole, s, {}, w_whole);
         std::vector<int> done(2, 0);
         auto count = [&](size_t i, bool) { ++done[i]; };
