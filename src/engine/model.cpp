@@ -307,8 +307,7 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.loss = &scaled;
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
-    if (in_call_)
-        ctx.table_rows = table_rows_of(mb);
+    ctx.table_rows = table_rows_of(mb);
     phase.reset();
     run_training_pipeline(ctx, scale, nullptr);
     phase.emplace(timeline_, "caller", "loss");
@@ -762,15 +761,14 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
     // leave each thread too little to do between wake-ups), so rows the next call posts
     // meanwhile wait for one piece, not for the rest.
     try {
-        std::optional<HostSpan> span;
-        if (builtin_->has_deferred_rows())
-            span.emplace(timeline_, "optimizer",
-                         "in-call step " + std::to_string(number) + ": deferred table rows");
-        while (builtin_->has_deferred_rows()) {
-            serve_next_call_rows(number, next_rows_served);
+        if (builtin_->has_deferred_rows()) {
+            HostSpan span(timeline_, "optimizer",
+                          "in-call step " + std::to_string(number) + ": deferred table rows");
             const int64_t width = store_.at(static_cast<size_t>(lookup_table_)).master.size(1);
-            builtin_->finish_deferred_rows(param_done,
-                                           std::max<int64_t>(1, (int64_t{1} << 22) / width));
+            const int64_t piece_rows = std::max<int64_t>(1, (int64_t{1} << 22) / width);
+            do
+                serve_next_call_rows(number, next_rows_served);
+            while (!builtin_->finish_deferred_rows(param_done, piece_rows));
         }
     } catch (...) {
         if (!error)

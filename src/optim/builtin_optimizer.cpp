@@ -97,8 +97,8 @@ void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
                 bf16_bits(second_moment_[i]), 0, params[i].size(0),
                 params[i].numel() / params[i].size(0), split_rows_.data_ptr<uint8_t>(), 1, h,
                 steps_[i], i, bf16_bits(lives[i]), own_grad);
-            deferred_ = {i, params[i], lives[i], split_rows_.ne(0).to(at::kByte), s, steps_[i]};
-            split_param_ = kNone;
+            // Its own copy (split_next_update), so the mask becomes the record of rows done.
+            deferred_ = {i, params[i], lives[i], std::move(split_rows_), s, steps_[i]};
             continue; // done when the deferred rows are (finish_deferred_rows)
         } else if (bf16_state_) {
             // A lent download is not zeroed: 2 of the 22 bytes a parameter the pass would move.
@@ -148,7 +148,7 @@ void BuiltinOptimizer::serve_deferred_rows(const at::Tensor &needed) {
 
 bool BuiltinOptimizer::finish_deferred_rows(const ParamDone &done, int64_t max_rows) {
     if (!has_deferred_rows())
-        return false;
+        return true;
     DeferredRows &d = deferred_;
     const int64_t rows = d.rows_done.size(0);
     const int64_t end = max_rows > 0 ? std::min(rows, d.next_row + max_rows) : rows;

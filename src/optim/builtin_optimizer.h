@@ -76,7 +76,7 @@ class BuiltinOptimizer {
     void serve_deferred_rows(const at::Tensor &needed);
     // Updates the deferred rows among the next `max_rows` rows (<= 0: all the rest), in row
     // order, so that a caller can serve needed rows in between; once the last row is passed,
-    // reports the parameter done (published) and returns true.
+    // reports the parameter done (published). True once no row is deferred.
     bool finish_deferred_rows(const ParamDone &done, int64_t max_rows = 0);
     // Tensor bytes of the optimizer state (0 before the first step). Any thread: the state is
     // allocated on the optimizer thread while the caller may ask.

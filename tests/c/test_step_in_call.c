@@ -77,6 +77,18 @@ static rp_optimizer *adamw(double lr) {
     return opt;
 }
 
+/* The master weights once `m`'s steps are done; frees what the training used. */
+static ts_params *masters_after_training(rp_model *m, rp_optimizer *opt, rp_run_config *cfg,
+                                         rp_loss *loss) {
+    TS_OK(rp_synchronize(m));
+    ts_params *w = ts_masters(m);
+    rp_optimizer_destroy(opt);
+    rp_run_config_destroy(cfg);
+    rp_loss_destroy(loss);
+    rp_model_destroy(m);
+    return w;
+}
+
 /* Five calls on five batches, stepping inside the calls or with rp_step after each. */
 static ts_params *train_five(int in_call, int32_t dtype, int32_t grain, int32_t microbatches,
                              double *losses) {
@@ -95,13 +107,7 @@ static ts_params *train_five(int in_call, int32_t dtype, int32_t grain, int32_t 
             TS_OK(rp_step(m, opt, 1));
         batch_free(&b);
     }
-    TS_OK(rp_synchronize(m));
-    ts_params *w = ts_masters(m);
-    rp_optimizer_destroy(opt);
-    rp_run_config_destroy(cfg);
-    rp_loss_destroy(loss);
-    rp_model_destroy(m);
-    return w;
+    return masters_after_training(m, opt, cfg, loss);
 }
 
 static void in_call_steps_give_bitwise_the_weights_of_explicit_steps(void **state) {
@@ -483,7 +489,7 @@ static size_t forward_bytes(rp_model *m, const DLManagedTensor *ids, unsigned ch
     n *= (size_t)o->dl_tensor.dtype.bits / 8;
     assert_true(n <= cap);
     memcpy(out, (const unsigned char *)o->dl_tensor.data + o->dl_tensor.byte_offset, n);
-    o->deleter(o);
+    ts_free(o);
     rp_tensor_list_destroy(outs);
     return n;
 }
@@ -514,13 +520,7 @@ static ts_params *train_table(int in_call, double *losses, unsigned char *seen, 
         ts_free(ids);
         ts_free(lab);
     }
-    TS_OK(rp_synchronize(m));
-    ts_params *w = ts_masters(m);
-    rp_optimizer_destroy(opt);
-    rp_run_config_destroy(cfg);
-    rp_loss_destroy(loss);
-    rp_model_destroy(m);
-    return w;
+    return masters_after_training(m, opt, cfg, loss);
 }
 
 static void a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps(void **state) {
