@@ -24,6 +24,10 @@
  *   - RP_OPTIMIZER_THREADS=N: cap the threads of the CPU optimizer's parallel loops (AdamW, SGD,
  *     the overflow check) at N >= 1; unset or invalid, libtorch's intra-op thread count is used.
  *     Read when a model's optimizer thread starts.
+ *   - RP_OPTIMIZER_BLOCKS=0: the optimizer's loops split each parameter into one equal share per
+ *     thread instead of letting the threads take blocks of 65,536 elements from a shared
+ *     counter (which keeps a thread that shares its core with the devices' workers from holding
+ *     up the rest); results are bit for bit the same. Read once.
  *   - RP_DEFER_TABLE_ROWS=0: in-call steps (rp_model_set_step_in_call) update an embedding first
  *     layer's whole table at once instead of deferring the rows no token used (docs/semantics.md
  *     "Deferred table rows"); results are bit for bit the same. Read by rp_model_set_step_in_call.

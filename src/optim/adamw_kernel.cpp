@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include "optim/bf16_convert.h"
+#include "optim/parallel_blocks.h"
 
 namespace rp {
 namespace {
@@ -93,7 +94,7 @@ void gather_split_gradient(const GradSpan &grad, int64_t b, int64_t len, float *
 void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
                   const AdamWHyper &h, int64_t step) {
     const AdamWConstants c = constants(h, step);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         adamw_block(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
                     c);
     });
@@ -105,7 +106,7 @@ void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, fl
     const AdamWConstants c = constants(h, step);
     const auto narrow =
         stores == WeightStores::Streaming ? narrow_bf16_nearest_streaming : narrow_bf16_nearest;
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block];
         const bool fp32 = !grad.bf16; // else lent bf16, with or without rows in fp32
         for (int64_t b = begin; b < end; b += kBf16Block) {
@@ -127,7 +128,7 @@ void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_
                     const AdamWHyper &h, int64_t step) {
     const AdamWConstants c = constants(h, step);
     const float l2 = static_cast<float>(h.weight_decay);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         adam_l2_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
                       l2, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps, c.step_size);
     });
@@ -170,7 +171,7 @@ void adamw_update_bf16_state(float *param, const GradSpan &grad, uint16_t *exp_a
                              uint64_t param_index, uint16_t *live_bf16, bool zero_grad) {
     const AdamWConstants c = constants(h, step);
     const uint32_t salt = rounding_salt(step, param_index, 0);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         bf16_state_range(param, grad, exp_avg, exp_avg_sq, begin, end, c, salt, live_bf16,
                          zero_grad);
     });
@@ -186,7 +187,8 @@ void adamw_update_bf16_state_rows(float *param, const GradSpan &grad, uint16_t *
     // Rows, not elements, are split over the threads (a row is wanted or not as a whole); about
     // kGrain elements a task.
     const int64_t grain_rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
-    at::parallel_for(row_begin, row_end, grain_rows, [&](int64_t r0, int64_t r1) {
+    const int64_t block_rows = std::max<int64_t>(1, kOptimizerBlock / std::max<int64_t>(width, 1));
+    optimizer_parallel_for(row_begin, row_end, block_rows, grain_rows, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
             if (mask[r] == want)
                 bf16_state_range(param, grad, exp_avg, exp_avg_sq, r * width, (r + 1) * width, c,

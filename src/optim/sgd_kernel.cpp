@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include "optim/bf16_convert.h"
+#include "optim/parallel_blocks.h"
 
 namespace rp {
 namespace {
@@ -38,7 +39,7 @@ sgd_range(float *__restrict p, const float *__restrict g, float *__restrict buf,
 
 void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n,
                 const SgdHyper &h, bool first_step) {
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         sgd_range(param + begin, grad + begin, momentum_buf ? momentum_buf + begin : nullptr,
                   end - begin, static_cast<float>(h.lr), static_cast<float>(h.momentum),
                   static_cast<float>(h.weight_decay), first_step);
@@ -49,7 +50,7 @@ void sgd_update_bf16_state(float *param, const GradSpan &grad, uint16_t *momentu
                            const SgdHyper &h, bool first_step, int64_t step,
                            uint64_t param_index) {
     const uint32_t salt = rounding_salt(step, param_index, 2);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block], buf[kBf16Block];
         for (int64_t b = begin; b < end; b += kBf16Block) {
             const int64_t len = std::min(kBf16Block, end - b);

@@ -7,8 +7,15 @@
 // Also the update of a table's rows in two parts (adamw_update_bf16_state_rows: the rows a mask
 // marks with their gradient, then the others with a zero gradient, nothing read) against the
 // whole update of the same table whose unmarked rows' gradient is zero: bit for bit.
+// And the loops' split over threads: parallel_blocks covers each index once, and the update on
+// several threads (blocks from a shared counter) gives the bits of the update on one.
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -16,6 +23,7 @@
 
 #include "optim/adamw_kernel.h"
 #include "optim/builtin_optimizer.h"
+#include "optim/parallel_blocks.h"
 
 static int failures = 0;
 
@@ -145,6 +153,72 @@ void check_split_update() {
     expect(!split.has_deferred_rows(), "split update: dropped by a step that does not update it");
 }
 
+// parallel_blocks hands out every index of a range exactly once, in blocks of the size asked
+// (the last one shorter), on more than one thread when there are several blocks.
+void check_parallel_blocks() {
+    omp_set_num_threads(4);
+    const int64_t begin = 5, end = 5 + 10 * 1000 + 7;
+    std::vector<std::atomic<int>> seen(end);
+    std::atomic<int> wrong_size{0};
+    std::vector<std::atomic<int>> by_thread(4);
+    std::atomic<int> blocks_taken{0};
+    rp::parallel_blocks(begin, end, 1000, [&](int64_t b, int64_t e) {
+        if (e - b != 1000 && e != end)
+            ++wrong_size;
+        ++by_thread[omp_get_thread_num()];
+        for (int64_t i = b; i < e; ++i)
+            ++seen[i];
+        // The first block is held until another block is taken (by another thread, since this
+        // one is busy here), for at most 10 s: on a loaded machine one thread could otherwise
+        // take every block before the others start.
+        if (blocks_taken.fetch_add(1) == 0) {
+            const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            while (blocks_taken.load() == 1 && std::chrono::steady_clock::now() < until)
+                std::this_thread::yield();
+        }
+    });
+    bool once = true;
+    for (int64_t i = 0; i < end; ++i)
+        once = once && seen[i].load() == (i >= begin ? 1 : 0);
+    expect(once, "parallel_blocks: each index of the range once, none outside it");
+    expect(wrong_size.load() == 0, "parallel_blocks: blocks of the size asked but the last");
+    int threads_used = 0;
+    for (const auto &n : by_thread)
+        threads_used += n.load() > 0;
+    expect(threads_used > 1, "parallel_blocks: more than one thread took blocks");
+}
+
+// The bf16-state update of a parameter of several blocks (kOptimizerBlock) on four threads
+// against the same update on one (which runs the whole range at once), over three steps: bit
+// for bit, since an element's rounding is keyed on its index in the parameter.
+void check_thread_split() {
+    const rp::AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 1e-2};
+    const int64_t n = 4 * rp::kOptimizerBlock + 1234;
+    struct State {
+        at::Tensor p, m, v, w;
+    };
+    auto run = [&](int threads) {
+        omp_set_num_threads(threads);
+        at::manual_seed(17);
+        State st{at::randn({n}), at::zeros({n}, at::kBFloat16), at::zeros({n}, at::kBFloat16),
+                 at::zeros({n}, at::kBFloat16)};
+        for (int64_t step = 1; step <= 3; ++step) {
+            at::Tensor g = at::randn({n}).to(at::kBFloat16);
+            rp::GradSpan grad;
+            grad.bf16 = bits(g);
+            rp::adamw_update_bf16_state(st.p.data_ptr<float>(), grad, bits(st.m), bits(st.v), n,
+                                        h, step, 3, bits(st.w), true);
+        }
+        return st;
+    };
+    const State one = run(1), four = run(4);
+    omp_set_num_threads(4);
+    expect(four.p.equal(one.p), "thread split: the same master weights bit for bit");
+    for (auto [a, b] : {std::pair{four.m, one.m}, {four.v, one.v}, {four.w, one.w}})
+        expect(a.view(at::kShort).equal(b.view(at::kShort)),
+               "thread split: the same moments and weight copy bit for bit");
+}
+
 } // namespace
 
 int main() {
@@ -204,6 +278,8 @@ int main() {
 
     check_rows_in_parts();
     check_split_update();
+    check_parallel_blocks();
+    check_thread_split();
 
     if (failures)
         std::fprintf(stderr, "%d check(s) failed\n", failures);
