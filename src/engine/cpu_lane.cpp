@@ -21,13 +21,13 @@ class CpuLane final : public DeviceLane {
     }
 
     Transfer upload_weights(const std::vector<at::Tensor> &host, size_t) override {
-        return {host, nullptr};
+        return {host, nullptr, {}};
     }
     Transfer upload(const Transfer &from, size_t) override { return from; }
     void use(const Transfer &) override {}
     Transfer download(const std::vector<at::Tensor> &t, size_t, Payload,
                       std::shared_ptr<void>) override {
-        return {t, nullptr};
+        return {t, nullptr, {}};
     }
 
     void wait(const Transfer &) override {}

@@ -643,15 +643,18 @@ void Model::step_builtin(const OptimizerSettings &settings, bool async) {
     BuiltinOptimizer *opt = &builtin_optimizer(settings.kind);
     step(
         [this, opt, settings](const ParamDone &param_done, const std::vector<uint8_t> &has_grad) {
-            std::vector<at::Tensor> params, lives;
-            builtin_targets(params, lives);
+            StepArrays a;
+            builtin_targets(a.params, a.lives);
+            a.has_grad = has_grad;
             // AdamW reads a lent bf16 gradient where it landed, with any rows added to it in
             // fp32 (adamw_update_publish); SGD reads fp32.
-            if (settings.kind == OptimizerKind::AdamW)
-                opt->step(params, step_grads_as_lent(), settings, param_done, lives, has_grad, {},
-                          step_grads_added_rows());
-            else
-                opt->step(params, step_grads(), settings, param_done, lives, has_grad);
+            if (settings.kind == OptimizerKind::AdamW) {
+                a.grads = step_grads_as_lent();
+                a.added_rows = step_grads_added_rows();
+            } else {
+                a.grads = step_grads();
+            }
+            opt->step(a, settings, param_done);
         },
         async);
 }
@@ -702,9 +705,9 @@ std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
 
 void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
                              int64_t number) {
-    std::vector<at::Tensor> params, lives;
-    builtin_targets(params, lives);
-    std::vector<at::Tensor> grads = step_grads(); // lent downloads stand in while updated
+    StepArrays a; // params, lives and grads for the whole step; the rest per part
+    builtin_targets(a.params, a.lives);
+    a.grads = step_grads(); // lent downloads stand in while updated
     std::vector<bool> finished(store_.size(), false);
     // Deferred table rows: this call posted the rows it used (model_table_rows.cpp).
     const at::Tensor table_rows = call_rows_.rows_of(number);
@@ -720,7 +723,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
         for (GradAccumulator::FinalGradient &f : batch)
             if (f.landed.defined()) {
                 store_.count_lent(-static_cast<int64_t>(f.landed.nbytes()));
-                grads[f.param] = store_.step_grad(f.param);
+                a.grads[f.param] = store_.step_grad(f.param);
             }
         batch.clear();
     };
@@ -729,27 +732,27 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
             give_back(); // the rest is dropped below; the feed must still be drained
             continue;
         }
-        std::vector<size_t> which;
-        std::vector<uint8_t> has_grad(store_.size(), 0), lent(store_.size(), 0);
+        a.which.clear();
+        a.has_grad.assign(store_.size(), 0);
+        a.lent.assign(store_.size(), 0);
         for (const GradAccumulator::FinalGradient &f : batch) {
-            which.push_back(f.param);
+            a.which.push_back(f.param);
             if (table_rows.defined() && static_cast<int64_t>(f.param) == lookup_table_)
                 builtin_->split_next_update(f.param, table_rows);
             nonfinite += f.nonfinite ? 1 : 0;
-            has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
-            updated += has_grad[f.param] && params[f.param].defined() ? 1 : 0;
+            a.has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
+            updated += a.has_grad[f.param] && a.params[f.param].defined() ? 1 : 0;
             if (f.landed.defined()) {
-                grads[f.param] = f.landed;
-                lent[f.param] = 1;
+                a.grads[f.param] = f.landed;
+                a.lent[f.param] = 1;
             }
         }
         try {
             // One span per part: the trace shows the updates running beside the backward.
             HostSpan span(timeline_, "optimizer",
                           "in-call step " + std::to_string(number) + ": " +
-                              std::to_string(which.size()) + " parameter(s)");
-            builtin_->step(params, grads, settings, param_done, lives, has_grad, which, {},
-                           lent);
+                              std::to_string(a.which.size()) + " parameter(s)");
+            builtin_->step(a, settings, param_done);
             serve_next_call_rows(number, next_rows_served);
         } catch (...) {
             error = std::current_exception();

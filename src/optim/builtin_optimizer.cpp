@@ -32,12 +32,11 @@ GradSpan grad_span(const at::Tensor &g) {
 
 } // namespace
 
-void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
-                            const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                            const ParamDone &done, const std::vector<at::Tensor> &lives,
-                            const std::vector<uint8_t> &has_grad, const std::vector<size_t> &which,
-                            const std::vector<AddedRows> &added_rows,
-                            const std::vector<uint8_t> &lent) {
+void BuiltinOptimizer::step(const StepArrays &a, const OptimizerSettings &s,
+                            const ParamDone &done) {
+    const std::vector<at::Tensor> &params = a.params;
+    const std::vector<size_t> &which = a.which;
+    const std::vector<uint8_t> &has_grad = a.has_grad;
     if (steps_.empty())
         steps_.assign(params.size(), 0);
     struct DropSplit { // a split applies to this call only, whatever happens in it
@@ -56,24 +55,24 @@ void BuiltinOptimizer::step(const std::vector<at::Tensor> &params,
     for (size_t i : part)
         steps_[i] += update[i] ? 1 : 0;
     if (kind_ == OptimizerKind::AdamW)
-        step_adamw(params, grads, s, lives, update, part, done, added_rows, lent);
+        step_adamw(a, s, update, part, done);
     else
-        step_sgd(params, grads, s, update, part, done);
+        step_sgd(a, s, update, part, done);
 }
 
-void BuiltinOptimizer::step_adamw(const std::vector<at::Tensor> &params,
-                                  const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                                  const std::vector<at::Tensor> &lives,
-                                  const std::vector<bool> &update, const std::vector<size_t> &which,
-                                  const ParamDone &done, const std::vector<AddedRows> &added_rows,
-                                  const std::vector<uint8_t> &lent) {
+void BuiltinOptimizer::step_adamw(const StepArrays &a, const OptimizerSettings &s,
+                                  const std::vector<bool> &update, const std::vector<size_t> &part,
+                                  const ParamDone &done) {
+    const std::vector<at::Tensor> &params = a.params, &grads = a.grads, &lives = a.lives;
+    const std::vector<AddedRows> &added_rows = a.added_rows;
+    const std::vector<uint8_t> &lent = a.lent;
     if (first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
         second_moment_ = zeros_like_all(params, bf16_state_);
         count_state();
     }
     const AdamWHyper h{s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
-    for (size_t i : which) {
+    for (size_t i : part) {
         const bool publish = update[i] && !lives.empty() && lives[i].defined();
         GradSpan grad = update[i] ? grad_span(grads[i]) : GradSpan();
         if (update[i] && i < added_rows.size() && added_rows[i].rows.defined()) {
@@ -164,10 +163,10 @@ bool BuiltinOptimizer::finish_deferred_rows(const ParamDone &done, int64_t max_r
     return true;
 }
 
-void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,
-                                const std::vector<at::Tensor> &grads, const OptimizerSettings &s,
-                                const std::vector<bool> &update, const std::vector<size_t> &which,
+void BuiltinOptimizer::step_sgd(const StepArrays &a, const OptimizerSettings &s,
+                                const std::vector<bool> &update, const std::vector<size_t> &part,
                                 const ParamDone &done) {
+    const std::vector<at::Tensor> &params = a.params, &grads = a.grads;
     // Like torch, a momentum buffer starts as the first gradient it sees, which may be after
     // momentum was switched on between steps, or at a parameter's first gradient.
     const bool momentum = s.momentum != 0.0;
@@ -177,7 +176,7 @@ void BuiltinOptimizer::step_sgd(const std::vector<at::Tensor> &params,
         seeded_.assign(params.size(), 0);
     }
     const SgdHyper h{s.lr, s.momentum, s.weight_decay};
-    for (size_t i : which) {
+    for (size_t i : part) {
         if (update[i]) {
             const bool seed = momentum && !seeded_[i];
             if (bf16_state_)

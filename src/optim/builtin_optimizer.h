@@ -26,6 +26,34 @@ struct AddedRows {
     at::Tensor f32, rows;
 };
 
+// What one BuiltinOptimizer::step updates, each array indexed by parameter.
+struct StepArrays {
+    // fp32, contiguous, CPU; undefined entries (frozen parameters, buffers) are skipped.
+    std::vector<at::Tensor> params;
+    // fp32, or bf16 with bf16 state.
+    std::vector<at::Tensor> grads;
+    // Empty, or one per parameter: bf16 weight copies to refresh from the update while its data
+    // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped; with
+    // fp32 state the gradients must be fp32).
+    std::vector<at::Tensor> lives;
+    // Empty: all. Which parameters received a gradient since the last step; the others are left
+    // alone, their state and step count included (torch.optim skips a parameter whose .grad is
+    // None), and reported done unpublished.
+    std::vector<uint8_t> has_grad;
+    // Empty: every parameter. Limits the call to those indices, in that order: a step taken in
+    // parts, each as its parameters' gradients become final (Model's in-call steps); each
+    // parameter must be in exactly one part of a step.
+    std::vector<size_t> which;
+    // Empty, or one per parameter: rows added in fp32 to a lent bf16 gradient, read and zeroed
+    // by AdamW's update of a bf16 weight copy (the standard mode's; the only place they occur).
+    std::vector<AddedRows> added_rows;
+    // Empty: none; else one per parameter: gradients that are downloads lent where they landed
+    // (in-call steps), which go back to the staging pool as they are, so the update reads them
+    // without zeroing them; a parameter's own gradient buffer is zeroed in the pass that reads
+    // it.
+    std::vector<uint8_t> lent;
+};
+
 class BuiltinOptimizer {
   public:
     // `bf16_state`: moments (momentum) stored in bf16 with stochastic rounding (memory-saving
@@ -37,28 +65,10 @@ class BuiltinOptimizer {
     // and its gradient zeroed in the same pass (see step).
     using ParamDone = std::function<void(size_t i, bool published)>;
 
-    // Updates `params` (fp32, contiguous, CPU) in place from `grads` (fp32, or bf16 with
-    // bf16 state), in order, calling `done` (if set) after each. `lives` (empty, or one per
-    // parameter) names bf16 weight copies to refresh from the update while its data is in cache,
-    // zeroing the gradient too (AdamW only; undefined entries are skipped; with fp32 state the
-    // gradients must be fp32).
-    // `has_grad` (empty: all) says which parameters received a gradient since the last step;
-    // the others are left alone, their state and step count included (torch.optim skips a
-    // parameter whose .grad is None), and reported done unpublished. `which` (empty: every
-    // parameter) limits the call to those indices, in that order: a step taken in parts, each
-    // as its parameters' gradients become final (Model's in-call steps); each parameter must be
-    // in exactly one part of a step. `added_rows` (empty, or one per parameter): rows added in
-    // fp32 to a lent bf16 gradient, read and zeroed by AdamW's update of a bf16 weight copy (the
-    // standard mode's; the only place they occur). `lent` (empty: none; else one per
-    // parameter): gradients that are downloads lent where they landed (in-call steps), which go
-    // back to the staging pool as they are, so the update reads them without zeroing them; a
-    // parameter's own gradient buffer is zeroed in the pass that reads it. Runs on the optimizer
-    // thread; state is allocated at the first call.
-    void step(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
-              const OptimizerSettings &settings, const ParamDone &done = {},
-              const std::vector<at::Tensor> &lives = {}, const std::vector<uint8_t> &has_grad = {},
-              const std::vector<size_t> &which = {}, const std::vector<AddedRows> &added_rows = {},
-              const std::vector<uint8_t> &lent = {});
+    // Updates `a.params` in place from `a.grads`, in order, calling `done` (if set) after each
+    // (StepArrays says what each array means). Runs on the optimizer thread; state is allocated
+    // at the first call.
+    void step(const StepArrays &a, const OptimizerSettings &settings, const ParamDone &done = {});
     // A table's update in two parts (memory-saving AdamW with a bf16 weight copy only): if the
     // next step() updates parameter `param` ([rows, width]), it updates only the rows `rows_now`
     // marks (uint8 per row, 1: now), reading the gradient there, and does not report the
@@ -108,14 +118,12 @@ class BuiltinOptimizer {
     void update_deferred(const at::Tensor &rows_done, int64_t row_begin, int64_t row_end);
 
     void count_state(); // after allocating state
-    void step_adamw(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
-                    const OptimizerSettings &s, const std::vector<at::Tensor> &lives,
-                    const std::vector<bool> &update, const std::vector<size_t> &which,
-                    const ParamDone &done, const std::vector<AddedRows> &added_rows,
-                    const std::vector<uint8_t> &lent);
-    void step_sgd(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
-                  const OptimizerSettings &s, const std::vector<bool> &update,
-                  const std::vector<size_t> &which, const ParamDone &done);
+    // `update`: per parameter, whether this step updates it; `part`: the indices to visit.
+    void step_adamw(const StepArrays &a, const OptimizerSettings &s,
+                    const std::vector<bool> &update, const std::vector<size_t> &part,
+                    const ParamDone &done);
+    void step_sgd(const StepArrays &a, const OptimizerSettings &s, const std::vector<bool> &update,
+                  const std::vector<size_t> &part, const ParamDone &done);
 };
 
 } // namespace rp

@@ -27,8 +27,7 @@ bool optimizer_blocks_enabled();
 
 // fn(b, e) over consecutive pieces [b, e) of [begin, end), each `block` long but the last, on the
 // calling thread's OpenMP threads (omp_get_max_threads). fn must not throw.
-template <class Fn>
-void parallel_blocks(int64_t begin, int64_t end, int64_t block, const Fn &fn) {
+template <class Fn> void parallel_blocks(int64_t begin, int64_t end, int64_t block, const Fn &fn) {
     if (end <= begin)
         return;
     block = std::max<int64_t>(1, block);

@@ -37,8 +37,8 @@ sgd_range(float *__restrict p, const float *__restrict g, float *__restrict buf,
 
 } // namespace
 
-void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n,
-                const SgdHyper &h, bool first_step) {
+void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n, const SgdHyper &h,
+                bool first_step) {
     optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         sgd_range(param + begin, grad + begin, momentum_buf ? momentum_buf + begin : nullptr,
                   end - begin, static_cast<float>(h.lr), static_cast<float>(h.momentum),
@@ -47,8 +47,7 @@ void sgd_update(float *param, const float *grad, float *momentum_buf, int64_t n,
 }
 
 void sgd_update_bf16_state(float *param, const GradSpan &grad, uint16_t *momentum_buf, int64_t n,
-                           const SgdHyper &h, bool first_step, int64_t step,
-                           uint64_t param_index) {
+                           const SgdHyper &h, bool first_step, int64_t step, uint64_t param_index) {
     const uint32_t salt = rounding_salt(step, param_index, 2);
     optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         float g[kBf16Block], buf[kBf16Block];
@@ -59,9 +58,9 @@ void sgd_update_bf16_state(float *param, const GradSpan &grad, uint16_t *momentu
                 widen_bf16(grad.bf16 + b, g, len);
             if (momentum_buf)
                 widen_bf16(momentum_buf + b, buf, len);
-            sgd_range(param + b, gb, momentum_buf ? buf : nullptr, len,
-                      static_cast<float>(h.lr), static_cast<float>(h.momentum),
-                      static_cast<float>(h.weight_decay), first_step);
+            sgd_range(param + b, gb, momentum_buf ? buf : nullptr, len, static_cast<float>(h.lr),
+                      static_cast<float>(h.momentum), static_cast<float>(h.weight_decay),
+                      first_step);
             if (momentum_buf)
                 narrow_bf16_stochastic(buf, momentum_buf + b, len, b, salt);
         }

@@ -53,6 +53,17 @@ Run make_run() {
     return r;
 }
 
+// A step over every parameter named, or over `which`, refreshing the weight copies `lives`.
+rp::StepArrays arrays(const std::vector<at::Tensor> &params, const std::vector<at::Tensor> &grads,
+                      const std::vector<at::Tensor> &lives, std::vector<size_t> which = {}) {
+    rp::StepArrays a;
+    a.params = params;
+    a.grads = grads;
+    a.lives = lives;
+    a.which = std::move(which);
+    return a;
+}
+
 uint16_t *bits(const at::Tensor &t) {
     return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
 }
@@ -123,14 +134,14 @@ void check_split_update() {
         const at::Tensor small = at::randn({300}).to(at::kBFloat16);
         std::vector<at::Tensor> g_whole{g.clone(), small.clone()},
             g_split{g.clone(), small.clone()};
-        whole.step(p_whole, g_whole, s, {}, w_whole);
+        whole.step(arrays(p_whole, g_whole, w_whole), s);
         std::vector<int> done(2, 0);
         auto count = [&](size_t i, bool) { ++done[i]; };
         split.split_next_update(0, used);
-        split.step(p_split, g_split, s, count, w_split, {}, {0});
+        split.step(arrays(p_split, g_split, w_split, {0}), s, count);
         expect(done[0] == 0 && split.has_deferred_rows(),
                "split update: the table is not done while rows are deferred");
-        split.step(p_split, g_split, s, count, w_split, {}, {1});
+        split.step(arrays(p_split, g_split, w_split, {1}), s, count);
         if (step != 2) // step 2: nobody asks for the next call's rows first
             split.serve_deferred_rows(next);
         expect(done[0] == 0, "split update: serving rows does not finish the table");
@@ -148,8 +159,8 @@ void check_split_update() {
     split.split_next_update(0, at::ones({rows}, at::kByte));
     std::vector<at::Tensor> g_zero{at::zeros({rows, width}, at::kBFloat16),
                                    at::zeros({300}, at::kBFloat16)};
-    split.step(p_split, g_zero, s, {}, w_split, {}, {1});
-    split.step(p_split, g_zero, s, {}, w_split);
+    split.step(arrays(p_split, g_zero, w_split, {1}), s);
+    split.step(arrays(p_split, g_zero, w_split), s);
     expect(!split.has_deferred_rows(), "split update: dropped by a step that does not update it");
 }
 
@@ -206,8 +217,8 @@ void check_thread_split() {
             at::Tensor g = at::randn({n}).to(at::kBFloat16);
             rp::GradSpan grad;
             grad.bf16 = bits(g);
-            rp::adamw_update_bf16_state(st.p.data_ptr<float>(), grad, bits(st.m), bits(st.v), n,
-                                        h, step, 3, bits(st.w), true);
+            rp::adamw_update_bf16_state(st.p.data_ptr<float>(), grad, bits(st.m), bits(st.v), n, h,
+                                        step, 3, bits(st.w), true);
         }
         return st;
     };
@@ -234,8 +245,9 @@ int main() {
         params_before.push_back(p.clone());
     rp::BuiltinOptimizer lent_opt(rp::OptimizerKind::AdamW, /*bf16_state=*/true);
     std::vector<bool> published(3, false);
-    lent_opt.step(lent.params, lent.grads, s, [&](size_t i, bool p) { published[i] = p; },
-                  lent.lives, {}, {}, {}, {1, 0, 1});
+    rp::StepArrays lent_arrays = arrays(lent.params, lent.grads, lent.lives);
+    lent_arrays.lent = {1, 0, 1};
+    lent_opt.step(lent_arrays, s, [&](size_t i, bool p) { published[i] = p; });
     expect(lent.grads[0].equal(lent_before[0]), "a lent gradient is left as it was");
     expect(lent.grads[2].equal(lent_before[2]), "a lent gradient (a few elements) is left");
     expect(lent.grads[1].eq(0).all().item<bool>(), "an own gradient buffer is zeroed");
@@ -245,7 +257,7 @@ int main() {
     // Every gradient its own buffer: all zeroed, the same weights bit for bit.
     Run own = make_run();
     rp::BuiltinOptimizer own_opt(rp::OptimizerKind::AdamW, /*bf16_state=*/true);
-    own_opt.step(own.params, own.grads, s, {}, own.lives);
+    own_opt.step(arrays(own.params, own.grads, own.lives), s);
     for (size_t i = 0; i < 3; ++i) {
         expect(own.grads[i].eq(0).all().item<bool>(), "without `lent` every gradient is zeroed");
         expect(own.params[i].equal(lent.params[i]), "lent or not, the same master weights");
