@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Switches of one build against each other (the engine's RP_* environment switches that exist to
+# measure what a change gives: RP_OPTIMIZER_BLOCKS, RP_DEFER_TABLE_ROWS, ...), on the same GPUs in
+# one device call, in the order given so that variants can be alternated against a lease's drift.
+# Where bench/run_ab.sh compares two commits, this compares settings of one tree.
+#
+#   OUT=/tmp/out AB_VARIANTS="equal:RP_OPTIMIZER_BLOCKS=0 blocks:RP_OPTIMIZER_BLOCKS=1 \
+#     equal2:RP_OPTIMIZER_BLOCKS=0 blocks2:RP_OPTIMIZER_BLOCKS=1" bash bench/run_env_ab.sh
+#
+# Each variant is `name:VAR=value,VAR=value` (no spaces). Each runs bench/run_scaling.sh (which
+# builds train_bench) with SCALING_GPUS=$AB_GPUS (default 2), SCALING_SHAPE=$AB_SHAPE (default
+# qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving, registered pinning, in-call steps, 2
+# warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
+# seconds (default 520, for a device call's 600) is skipped. Prints one line per variant (tokens/s,
+# iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call);
+# every run's output in $OUT/env-ab.tgz.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/rp-env-ab}
+mkdir -p "$out/env-ab"
+start=$SECONDS
+for variant in ${AB_VARIANTS:?"AB_VARIANTS: name:VAR=value,... per variant"}; do
+  name=${variant%%:*}
+  settings=()
+  [ "$variant" != "$name" ] && IFS=, read -r -a settings <<< "${variant#*:}"
+  if [ $((SECONDS - start)) -gt "${AB_STOP_AFTER:-520}" ]; then
+    echo "$name: skipped (past AB_STOP_AFTER)"
+    continue
+  fi
+  dir=$out/env-ab/$name
+  mkdir -p "$dir"
+  env "${settings[@]}" OUT="$dir" SCALING_GPUS="${AB_GPUS:-2}" SCALING_SHAPE="${AB_SHAPE:-qwen3-8b}" \
+    SCALING_TRACE=1 SCALING_ARGS="${AB_ARGS:---host-memory saving --pin register --step-in-call on --warmup 2 --steps 3}" \
+    bash "$root/bench/run_scaling.sh" > "$dir.log" 2>&1
+  python3 - "$dir" "$name" <<'PY'
+import glob, json, sys
+d, name = sys.argv[1], sys.argv[2]
+for line in open(f"{d}/scaling.jsonl"):
+    r = json.loads(line)
+    opt = "-"
+    for t in glob.glob(f"{d}/trace_*.json"):
+        ev = json.load(open(t))
+        ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+        opt = round(sum(e["dur"] for e in ev if e.get("ph") == "X" and e.get("tid") == "optimizer") / 1e3)
+    peak = round(r.get("peak_gpu_bytes", 0) / 2**30, 1)
+    print(f"{name:10} {r.get('tokens_per_s')} tok/s  iter {r.get('iter_ms')}  fb alone {r.get('fb_only_ms')}  "
+          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms")
+PY
+  echo "  ($((SECONDS - start)) s)"
+done
+tar czf "$out/env-ab.tgz" -C "$out" env-ab && rm -rf "$out/env-ab"
