@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace rp {
 
@@ -22,8 +24,14 @@ constexpr int64_t kOptimizerBlock = 1 << 16;
 
 // Whether the optimizer's loops take blocks from a shared counter (parallel_blocks) or one equal
 // share per thread: RP_OPTIMIZER_BLOCKS=0 asks for the equal shares, to measure what the blocks
-// give. Read once.
-bool optimizer_blocks_enabled();
+// give. Read once (an inline function's static is one for the whole program).
+inline bool optimizer_blocks_enabled() {
+    static const bool enabled = [] {
+        const char *v = std::getenv("RP_OPTIMIZER_BLOCKS");
+        return !(v && std::strcmp(v, "0") == 0);
+    }();
+    return enabled;
+}
 
 // fn(b, e) over consecutive pieces [b, e) of [begin, end), each `block` long but the last, on the
 // calling thread's OpenMP threads (omp_get_max_threads). fn must not throw.
