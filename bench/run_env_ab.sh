@@ -7,12 +7,15 @@
 #   OUT=/tmp/out AB_VARIANTS="equal:RP_OPTIMIZER_BLOCKS=0 blocks:RP_OPTIMIZER_BLOCKS=1 \
 #     equal2:RP_OPTIMIZER_BLOCKS=0 blocks2:RP_OPTIMIZER_BLOCKS=1" bash bench/run_env_ab.sh
 #
-# Each variant is `name:VAR=value,VAR=value` (no spaces). Each runs bench/run_scaling.sh (which
+# Each variant is `name:VAR=value,VAR=value` (no spaces; a value may hold commas). The setting
+# `plan=<layers per stage>` (e.g. plan=2,5,5,5,5,5,5,4) is not an environment variable: it runs
+# that variant with `--plan <layers per stage>` after $AB_ARGS. Each runs bench/run_scaling.sh (which
 # builds train_bench) with SCALING_GPUS=$AB_GPUS (default 2), SCALING_SHAPE=$AB_SHAPE (default
 # qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving, registered pinning, in-call steps, 2
 # warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
 # seconds (default 520, for a device call's 600) is skipped. Prints one line per variant (tokens/s,
-# iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call);
+# iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call,
+# the plan used);
 # every run's output in $OUT/env-ab.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,7 +25,13 @@ start=$SECONDS
 for variant in ${AB_VARIANTS:?"AB_VARIANTS: name:VAR=value,... per variant"}; do
   name=${variant%%:*}
   settings=()
-  [ "$variant" != "$name" ] && IFS=, read -r -a settings <<< "${variant#*:}"
+  # Split at the commas that start a new NAME=, so that a value may hold commas (a plan).
+  [ "$variant" != "$name" ] &&
+    mapfile -t settings < <(sed -E 's/,([A-Za-z_][A-Za-z0-9_]*=)/\n\1/g' <<< "${variant#*:}")
+  args=${AB_ARGS:---host-memory saving --pin register --step-in-call on --warmup 2 --steps 3}
+  for i in "${!settings[@]}"; do
+    case ${settings[$i]} in plan=*) args+=" --plan ${settings[$i]#plan=}"; unset "settings[$i]" ;; esac
+  done
   if [ $((SECONDS - start)) -gt "${AB_STOP_AFTER:-520}" ]; then
     echo "$name: skipped (past AB_STOP_AFTER)"
     continue
@@ -30,7 +39,7 @@ for variant in ${AB_VARIANTS:?"AB_VARIANTS: name:VAR=value,... per variant"}; do
   dir=$out/env-ab/$name
   mkdir -p "$dir"
   env "${settings[@]}" OUT="$dir" SCALING_GPUS="${AB_GPUS:-2}" SCALING_SHAPE="${AB_SHAPE:-qwen3-8b}" \
-    SCALING_TRACE=1 SCALING_ARGS="${AB_ARGS:---host-memory saving --pin register --step-in-call on --warmup 2 --steps 3}" \
+    SCALING_TRACE=1 SCALING_ARGS="$args" \
     bash "$root/bench/run_scaling.sh" > "$dir.log" 2>&1
   python3 - "$dir" "$name" <<'PY'
 import glob, json, sys
@@ -44,7 +53,7 @@ for line in open(f"{d}/scaling.jsonl"):
         opt = round(sum(e["dur"] for e in ev if e.get("ph") == "X" and e.get("tid") == "optimizer") / 1e3)
     peak = round(r.get("peak_gpu_bytes", 0) / 2**30, 1)
     print(f"{name:10} {r.get('tokens_per_s')} tok/s  iter {r.get('iter_ms')}  fb alone {r.get('fb_only_ms')}  "
-          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms")
+          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms  plan {r.get('pcie_plan')}")
 PY
   echo "  ($((SECONDS - start)) s)"
 done
