@@ -8,7 +8,8 @@
 #     equal2:RP_OPTIMIZER_BLOCKS=0 blocks2:RP_OPTIMIZER_BLOCKS=1" bash bench/run_env_ab.sh
 #
 # Each variant is `name:VAR=value,VAR=value` (no spaces; a value may hold commas). The setting
-# `plan=<layers per stage>` (e.g. plan=2,5,5,5,5,5,5,4) is not an environment variable: it runs
+# `plan=<layers per stage>` (units, as --plan counts them: e.g. plan=3,6,5,5,5,5,5,5 for the
+# Qwen3-8B shape's 39, the embedding and the head included) is not an environment variable: it runs
 # that variant with `--plan <layers per stage>` after $AB_ARGS. Each runs bench/run_scaling.sh (which
 # builds train_bench) with SCALING_GPUS=$AB_GPUS (default 2), SCALING_SHAPE=$AB_SHAPE (default
 # qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving, registered pinning, in-call steps, 2
@@ -48,6 +49,8 @@ for line in open(f"{d}/scaling.jsonl"):
     r = json.loads(line)
     opt = "-"
     for t in glob.glob(f"{d}/trace_*.json"):
+        if t.endswith(".summary.json"):  # trace_summary.py's digest beside the trace
+            continue
         ev = json.load(open(t))
         ev = ev["traceEvents"] if isinstance(ev, dict) else ev
         opt = round(sum(e["dur"] for e in ev if e.get("ph") == "X" and e.get("tid") == "optimizer") / 1e3)
