@@ -10,15 +10,16 @@
 
 #include "base/error.h"
 #include "base/host_memory.h"
-#include "engine/cuda_memory.h"
 #include "base/log.h"
+#include "engine/cuda_memory.h"
 
 namespace rp {
 namespace {
 
 std::vector<at::Device> choose_devices(const ModelOptions &o) {
     const int gpus = visible_cuda_devices();
-    bool cuda = o.device_kind == DeviceKind::Cuda || (o.device_kind == DeviceKind::Auto && gpus > 0);
+    bool cuda =
+        o.device_kind == DeviceKind::Cuda || (o.device_kind == DeviceKind::Auto && gpus > 0);
     if (o.device_kind == DeviceKind::Cuda && gpus == 0)
         fail(ErrorKind::Cuda, "GPU devices were asked for but no CUDA GPU is visible");
     std::vector<at::Device> devices;
@@ -196,9 +197,9 @@ static Loss normalised_causal_lm(Loss loss, const at::Tensor &labels, const at::
     require(!at::isFloatingType(labels.scalar_type()) && labels.dim() == 2,
             "the causal-LM loss needs integer labels [batch, seq], got " +
                 std::string(c10::toString(labels.scalar_type())) + " " + c10::str(labels.sizes()));
-    require(labels.sizes() == ids.sizes(), "the causal-LM loss needs labels of the shape of "
-                                           "input 0 " + c10::str(ids.sizes()) + ", got " +
-                                               c10::str(labels.sizes()));
+    require(labels.sizes() == ids.sizes(),
+            "the causal-LM loss needs labels of the shape of input 0 " + c10::str(ids.sizes()) +
+                ", got " + c10::str(labels.sizes()));
     loss.scale /= static_cast<double>(std::max<int64_t>(1, causal_lm_target_count(labels)));
     return loss;
 }
@@ -327,7 +328,6 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     return total;
 }
 
-
 void Model::share_initial_weights() {
     if (!dp_ || initial_weights_shared_)
         return;
@@ -412,7 +412,8 @@ void Model::rethrow_step_error() {
         } catch (const Error &err) {
             fail(err.kind(), std::string("an earlier optimizer step failed: ") + err.what());
         } catch (const std::exception &err) {
-            fail(ErrorKind::Callback, std::string("an earlier optimizer step failed: ") + err.what());
+            fail(ErrorKind::Callback,
+                 std::string("an earlier optimizer step failed: ") + err.what());
         }
     }
 }
@@ -527,8 +528,7 @@ bool Model::step_may_proceed(const GradFlags::Snapshot &grads, int64_t number) {
     return false;
 }
 
-void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
-                     int64_t number) {
+void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads, int64_t number) {
     HostSpan span(timeline_, "optimizer", "step " + std::to_string(number));
     const bool saving = store_.saving();
     std::vector<bool> finished(store_.size(), false);
@@ -555,8 +555,7 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
         std::rethrow_exception(error);
 }
 
-void Model::param_finished(size_t i, bool published, std::vector<bool> &finished,
-                           int64_t number) {
+void Model::param_finished(size_t i, bool published, std::vector<bool> &finished, int64_t number) {
     if (!published)
         store_.finish_step(i);
     finished[i] = true;
@@ -624,8 +623,7 @@ BuiltinOptimizer &Model::builtin_optimizer(OptimizerKind kind) {
     return *builtin_;
 }
 
-void Model::builtin_targets(std::vector<at::Tensor> &params,
-                            std::vector<at::Tensor> &lives) const {
+void Model::builtin_targets(std::vector<at::Tensor> &params, std::vector<at::Tensor> &lives) const {
     for (size_t i = 0; i < store_.size(); ++i) {
         const Param &p = store_.at(i);
         // Frozen parameters and buffers: no state, never updated (undefined).
@@ -688,23 +686,20 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {
     auto feed = std::make_shared<FinalFeed>();
-    gradients_.report_final(
-        gradient_jobs_per_param(ctx),
-        [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); });
+    gradients_.report_final(gradient_jobs_per_param(ctx),
+                            [feed](FinalFeed::Batch batch) { feed->push(std::move(batch)); });
     // After gate_call: this call uploads what the previous step left, the next one what this
     // step leaves. The table rows are posted here, where nothing can fail before the step is
     // queued: a call failing earlier has posted nothing that a step could open the table for.
     if (ctx.table_rows.defined())
         call_rows_.post(enqueued_ + 1, ctx.table_rows);
     const int64_t number = ++enqueued_;
-    runner_.submit([this, feed, number, settings = *in_call_] {
-        run_in_call_step(settings, *feed, number);
-    });
+    runner_.submit(
+        [this, feed, number, settings = *in_call_] { run_in_call_step(settings, *feed, number); });
     return feed;
 }
 
-void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
-                             int64_t number) {
+void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed, int64_t number) {
     StepArrays a; // params, lives and grads for the whole step; the rest per part
     builtin_targets(a.params, a.lives);
     a.grads = step_grads(); // lent downloads stand in while updated
@@ -786,8 +781,7 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
     }
     if (feed.failed() && updated > 0)
         log(LogLevel::Warn, name_ + ": training call failed after its in-call step " +
-                                std::to_string(number) + " had updated " +
-                                std::to_string(updated) +
+                                std::to_string(number) + " had updated " + std::to_string(updated) +
                                 " parameter(s) whose gradients were final; they keep the "
                                 "update, every other gradient of the call is dropped");
     if (error)
