@@ -222,6 +222,39 @@ def test_packed_outputs_feed_another_model_as_pytorch():
                 model2.forward_backward(input_args=(hidden_grad,), label=y, loss_fn=mse_sum)
 
 
+def test_forward_backward_refuses_inputs_that_require_grad():
+    """Upstream's forward_backward back-propagates into its inputs; ours cannot (the engine
+    returns no input gradients), so an input that requires grad is refused before anything runs
+    instead of leaving its producer silently without gradients: a merged training output of
+    another model, or a leaf made with requires_grad=True. Nothing of a refused call is kept:
+    training on the detached input afterwards gives PyTorch's gradients."""
+    enc, dec = mlp(1, out=16), mlp(2, inp=16)
+    ref_dec = copy.deepcopy(dec)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    with RoundPipe(enc, devices=DEVICES) as model1, RoundPipe(dec, devices=DEVICES) as model2:
+        hidden = model1(x)  # a training forward: the merged output carries model1's autograd
+        assert hidden.requires_grad and hidden.grad_fn is not None
+        with pytest.raises(RoundPipeUnsupportedError, match="requires grad"):
+            model2.forward_backward(input_args=(hidden,), label=y, loss_fn=mse_sum)
+        with pytest.raises(RoundPipeUnsupportedError, match="requires grad"):
+            model2.forward_backward(input_args=(), input_kwargs={"x": hidden}, label=y,
+                                    loss_fn=mse_sum)
+        leaf = x.clone().requires_grad_(True)
+        with pytest.raises(RoundPipeUnsupportedError, match="requires grad"):
+            model1.forward_backward(input_args=(leaf,), label=torch.randn(6, 16),
+                                    loss_fn=mse_sum)
+        model2.synchronize()
+        assert all(p.grad is None or not p.grad.any() for p in dec.parameters())
+        feature = hidden.detach()
+        loss = model2.forward_backward(input_args=(feature,), label=y, loss_fn=mse_sum)
+        want = mse_sum(ref_dec(feature), y)
+        want.backward()
+        assert float(loss) == pytest.approx(float(want), rel=RTOL)
+        model2.synchronize()
+        for p, q in zip(dec.parameters(), ref_dec.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_packed_outputs_chain_through_forward():
     """forward() -> forward(): numbers as PyTorch; a packed input that requires grad in a
     training forward is refused (the engine gives no input gradients), not silently cut off."""

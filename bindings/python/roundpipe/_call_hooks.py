@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 
-from ._microbatch import RoundPipePackedData, chained_call, packed_requiring_grad
+from ._microbatch import (RoundPipePackedData, any_requiring_grad, chained_call,
+                          packed_requiring_grad)
 from .errors import RoundPipeUnsupportedError
 from .execute_plan import check_call_plan
 from .timer import ModelTimer
@@ -49,12 +50,16 @@ def forward_backward_call(method: F) -> F:
         if isinstance(input_args, RoundPipePackedData) or \
                 not isinstance(input_args, (tuple, list)):
             input_args = (input_args,)
-        if packed_requiring_grad(input_args, input_kwargs):
+        # Checked before anything runs: the call would otherwise train this model and leave
+        # the inputs' producer (another model's training forward) silently without gradients.
+        if any_requiring_grad(input_args, input_kwargs):
             raise RoundPipeUnsupportedError(
-                "input_args / input_kwargs: a RoundPipePackedData input requires grad, and "
-                "forward_backward() does not back-propagate into its inputs (the engine returns "
-                "no input gradients); make it under torch.no_grad() or with the first model in "
-                "eval(), or chain with forward() and loss.backward()")
+                "input_args / input_kwargs: an input requires grad (another model's training "
+                "output, or a tensor made with requires_grad=True), and forward_backward() does "
+                "not back-propagate into its inputs (the engine returns no input gradients), so "
+                "whatever made it would get none; chain with this model's forward() and "
+                "loss.backward() to train both, or make the input under torch.no_grad(), with "
+                "the first model in eval(), or .detach() it to train this model alone")
         input_args, input_kwargs, config = chained_call(
             tuple(input_args), input_kwargs, run_config, self.model_run_config)
         check_call_plan(self, config, "fused")

@@ -317,6 +317,14 @@ def packed_requiring_grad(args: Any, kwargs: Any) -> bool:
     return any(t.requires_grad for p in found for v in p for t in tree_flatten(v)[0])
 
 
+def any_requiring_grad(args: Any, kwargs: Any) -> bool:
+    """Whether any tensor among the inputs (packed or not, at any depth) requires grad."""
+    if packed_requiring_grad(args, kwargs):
+        return True
+    leaves = tree_flatten((tuple(args), dict(kwargs or {})))[0]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
 def _select(value: Any, m: int, n: int, dim: Optional[int]) -> Any:
     """Microbatch m of `value`: a RoundPipePackedData's element m, containers walked, other
     tensors split by the engine's rule along `dim` (None: 0), other leaves whole."""
