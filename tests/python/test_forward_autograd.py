@@ -105,6 +105,30 @@ def test_no_grad_and_eval_forward_are_inference():
         assert not model(x).requires_grad
 
 
+def test_run_config_requires_grad_overrides_torchs_mode():
+    """RoundPipeRunConfig(requires_grad=...), upstream's switch: True trains a forward under
+    torch.no_grad() (the gradients equal torch's), False makes a forward with gradients enabled
+    inference (nothing accumulates); model-level and per call."""
+    module, reference = mlp(), mlp()
+    x, y = torch.randn(9, 6), torch.randn(9, 3)
+    on = roundpipe.RoundPipeRunConfig(requires_grad=True)
+    off = roundpipe.RoundPipeRunConfig(requires_grad=False)
+    with roundpipe.RoundPipe(module, devices=DEVICES) as model:
+        out = model(x, roundpipe_run_config=off)
+        assert not out.requires_grad
+        with torch.no_grad():
+            out = model(x, roundpipe_run_config=on)
+        assert out.requires_grad
+        nn.functional.mse_loss(out, y).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        model.synchronize()
+        for p, r in zip(module.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, **TOL)
+    with roundpipe.RoundPipe(mlp(), devices=DEVICES, model_run_config=off) as model:
+        assert not model(x).requires_grad
+        assert model(x, roundpipe_run_config=on).requires_grad
+
+
 def test_input_gradient_matches_torch():
     """x.grad through forward() (rp_backward_input_grads), over microbatches and two stages,
     equals plain torch's; an integer input alongside is left alone."""

@@ -89,7 +89,9 @@ class RoundPipeRunConfig:
 
     Args:
         requires_grad: upstream's switch for autograd through ``forward()`` (default:
-            ``torch.is_grad_enabled()``). Kept and overlaid like every field.
+            ``torch.is_grad_enabled()``): True connects a training-mode forward's outputs to
+            autograd even under ``torch.no_grad()``, False makes it an inference forward.
+            ``forward_backward()`` always computes gradients.
         output_device: where outputs are returned: None/``"cpu"`` (default) or a CUDA device.
         preserve_rng_state: upstream's switch for replaying the RNG in recompute (default
             True). The engine always replays dropout in recompute from its seeded generator,

@@ -524,14 +524,17 @@ class RoundPipe(WeightsMixin):
         enabled, the outputs are connected to autograd: ``loss.backward()`` on them runs the
         pipeline's backward and accumulates the gradients the next ``step()`` uses (upstream's
         non-fused training; ``forward_backward()`` is faster). Otherwise (``eval()`` or
-        ``torch.no_grad()``) it is inference: no gradients, dropout off."""
+        ``torch.no_grad()``) it is inference: no gradients, dropout off. A run config's
+        ``requires_grad`` (upstream's switch), when set, stands in for ``torch.is_grad_enabled()``
+        here: True trains under ``torch.no_grad()`` too, False makes it inference."""
         model = self._model
         model.handle  # raises when closed
         py = self._run_config.call_fields(roundpipe_run_config)
         tensors, dims, split_call, tree = self._call_inputs(args, kwargs, py)
-        wanted = inputs_wanting_grad(tensors) if torch.is_grad_enabled() else []
-        train = self.training and torch.is_grad_enabled() and \
-            (self._has_trainable_parameters() or bool(wanted))
+        # RoundPipeRunConfig.requires_grad, upstream's switch: unset follows torch's mode.
+        grad = torch.is_grad_enabled() if py.requires_grad is None else bool(py.requires_grad)
+        wanted = inputs_wanting_grad(tensors) if grad else []
+        train = self.training and grad and (self._has_trainable_parameters() or bool(wanted))
         with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
                                               training=train) as state:
             split = scope.split_callback(split_call)
@@ -542,8 +545,9 @@ class RoundPipe(WeightsMixin):
                 return self._outputs(outputs.to_torch(), py, resolved, merge, state)
             outputs = scope.run(model.forward_train, BorrowedInputs(tensors), config)
             pending = PendingBackward(self._engine_backward(state), wants_inputs=bool(wanted))
-            connected = connect(outputs.to_torch(), pending, [tensors[i] for i in wanted],
-                                wanted)
+            with torch.enable_grad():  # requires_grad=True records the graph under no_grad too
+                connected = connect(outputs.to_torch(), pending, [tensors[i] for i in wanted],
+                                    wanted)
             return self._outputs(connected, py, resolved, merge,
                                  state)
 
