@@ -9,7 +9,9 @@
   writing its own buffer in forward (the page's MyBlock) and making temporaries on
   ``x.device``; trained against plain PyTorch;
 - automatic wrapping: ``use_sequential_preset=False`` on a model that is not a Sequential gives
-  an AutoRoundPipe whose forward equals the model's and which refuses forward_backward.
+  an AutoRoundPipe whose forward equals the model's and which refuses forward_backward; it
+  trains with forward(), loss.backward() and step(step_fn) as the same model in plain PyTorch
+  (inner RoundPipes and a parameter the root keeps), step_fn running once per step.
 
 Tolerance: fp32, relative 1e-5 (absolute 1e-6), as the other Python-layer tests.
 """
@@ -167,5 +169,76 @@ def test_automatic_wrapping_gives_an_auto_roundpipe():
         with pytest.raises(NotImplementedError, match="forward_backward"):
             model.forward_backward((x,))
         assert len(list(model.optim_parameters())) > 0
+    finally:
+        model.close()
+
+
+class NotSequentialWithGain(NotSequential):
+    """NotSequential plus a parameter of the root's own (too small to be wrapped: it stays a
+    torch parameter, trained by autograd beside the inner RoundPipes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_auto_roundpipe_trains_as_pytorch(is_async):
+    """Upstream: an AutoRoundPipe keeps RoundPipe's forward and optimizer features. forward()
+    back-propagates into every inner RoundPipe and the root's own parameter; one torch SGD over
+    optim_parameters() in step_fn updates them all once per step (twice would double each
+    update), for three steps, as plain PyTorch on a copy."""
+    torch.manual_seed(0)
+    net = NotSequentialWithGain()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = wrap_model_to_roundpipe(net, use_sequential_preset=False,
+                                    optim_dtype=torch.float32, lower_threshold=1 << 30,
+                                    upper_threshold=1, devices=DEVICES)
+    try:
+        assert isinstance(model, roundpipe.AutoRoundPipe)
+        assert len(model.roundpipes) == 4  # encoder, blocks.0, blocks.1, head
+        names = [n for n, _ in model.named_parameters()]
+        assert names[:2] == ["encoder.0.weight", "encoder.0.bias"] and names[-1] == "gain"
+        assert len(names) == len(list(ref.parameters()))
+        opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
+        calls = []
+
+        def step_fn():
+            calls.append(1)
+            opt.step()
+            opt.zero_grad()
+
+        for k in range(3):
+            g = torch.Generator().manual_seed(k)
+            x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            model.step(step_fn, is_async=is_async)
+            ref_loss = nn.functional.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        model.synchronize()
+        assert len(calls) == 3
+        want = dict(ref.named_parameters())
+        got = dict(model.named_parameters())
+        torch.testing.assert_close(got["gain"], want["gain"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["encoder.2.weight"], want["encoder.2.weight"],
+                                   rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["head.0.weight"], want["head.weight"], rtol=RTOL,
+                                   atol=ATOL)
+        torch.testing.assert_close(got["blocks.1.0.bias"], want["blocks.1.bias"], rtol=RTOL,
+                                   atol=ATOL)
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
+        assert all(not rp.training for rp in model.roundpipes)  # eval() reaches them
+        with pytest.raises(roundpipe.RoundPipeUnsupportedError, match="own"):
+            model.step(roundpipe.optim.SGD(lr=0.1))  # a built-in cannot update `gain`
     finally:
         model.close()

@@ -26,6 +26,7 @@ from .errors import RoundPipeUnsupportedError
 from .hf import HF_ARCHITECTURES, hf_architecture
 from .lora import peft_lora
 from .model import RoundPipe
+from .optim import BuiltinOptimizer
 
 
 def _bytes(tensors):
@@ -50,35 +51,108 @@ class RoundPipeModule(nn.Module):
 
 class AutoRoundPipe:
     """Upstream's AutoRoundPipe: `model` with its large submodules replaced by RoundPipes, its
-    own forward running on the calling thread. forward() works; forward_backward() does not
-    (as upstream: the model could not be split into a Sequential); step() and synchronize()
-    act on every inner RoundPipe."""
+    own forward running on the calling thread. As upstream it has RoundPipe's forward and
+    optimizer features but no fused forward_backward:
 
-    def __init__(self, model: nn.Module, inner: List[RoundPipe]) -> None:
-        self.model = model
-        self.roundpipes = inner
+    - forward() in training mode (``train()``, the default) with gradients enabled connects
+      every inner RoundPipe to autograd (their forward()), so ``loss.backward()`` trains them and
+      the parameters the root kept for itself (modules left unwrapped: skip_modules, small ones
+      recursed into), which torch's autograd fills as usual; ``eval()`` or ``torch.no_grad()``
+      is inference.
+    - optim_parameters() / parameters() are every inner RoundPipe's optimizer parameters, then
+      the root's own; optim_named_parameters() / named_parameters() name an inner RoundPipe's
+      by its place in `model` and then its layer ("encoder.0.weight", "blocks.1.0.weight"),
+      the root's as `model` does.
+    - step(step_fn) runs step_fn once per step, with every inner RoundPipe inside its step (its
+      parameters' ``.grad`` that step's gradients), so one torch optimizer over
+      optim_parameters() updates them all; is_async as RoundPipe.step, except that with
+      parameters of the root's own (updated by step_fn on an optimizer thread while the next
+      forward would read them) the step completes before step() returns. A built-in optimizer
+      steps each inner RoundPipe (refused when the root has trainable parameters of its own: it
+      updates the engine's parameters only). A step an inner RoundPipe skips (inf / nan
+      gradients, no GradScaler) skips step_fn for all of them.
+    - synchronize(), train(), eval(), close(); other attributes are `model`'s.
+    """
+
+    def __init__(self, model: nn.Module, inner: List[RoundPipe],
+                 inner_paths: Optional[List[str]] = None) -> None:
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "roundpipes", inner)
+        # where each inner RoundPipe sits in `model` ("encoder", "blocks.0"): parameter names
+        object.__setattr__(self, "_paths", list(inner_paths or [""] * len(inner)))
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the instance
+        return getattr(object.__getattribute__(self, "model"), name)
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "AutoRoundPipe":
+        self.model.train(mode)
+        for rp in self.roundpipes:
+            rp.train(mode)
+        return self
+
+    def eval(self) -> "AutoRoundPipe":
+        return self.train(False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop("roundpipe_run_config", None)
-        with torch.no_grad():
-            return self.model(*args, **kwargs)
+        return self.model(*args, **kwargs)
 
     __call__ = forward
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
         raise RoundPipeUnsupportedError(
             "AutoRoundPipe: %s could not be split into a Sequential, so it has no fused "
-            "forward_backward (as upstream); wrap its layers as an nn.Sequential, or pass it "
-            "to RoundPipe(model) to train it as one layer" % type(self.model).__name__)
+            "forward_backward (as upstream); train it with forward() and loss.backward(), wrap "
+            "its layers as an nn.Sequential, or pass it to RoundPipe(model) to train it as one "
+            "layer" % type(self.model).__name__)
+
+    def _own_parameters(self) -> List[nn.Parameter]:
+        """The root's parameters that no inner RoundPipe holds (RoundPipeModule has none)."""
+        return list(self.model.parameters())
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
-        return itertools.chain.from_iterable(rp.optim_parameters() for rp in self.roundpipes)
+        return itertools.chain(
+            itertools.chain.from_iterable(rp.optim_parameters() for rp in self.roundpipes),
+            self._own_parameters())
 
     parameters = optim_parameters
 
+    def optim_named_parameters(self, prefix: str = "") -> Iterator[Any]:
+        for path, rp in zip(self._paths, self.roundpipes):
+            yield from rp.optim_named_parameters(".".join(x for x in (prefix, path) if x))
+        yield from self.model.named_parameters(prefix=prefix)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Any]:
+        return self.optim_named_parameters(prefix)
+
     def step(self, step_fn: Any, is_async: bool = True, *args: Any, **kwargs: Any) -> None:
-        for rp in self.roundpipes:
-            rp.step(step_fn, is_async, *args, **kwargs)
+        own = [p for p in self._own_parameters() if p.requires_grad]
+        if isinstance(step_fn, BuiltinOptimizer):
+            if own:
+                raise RoundPipeUnsupportedError(
+                    "AutoRoundPipe.step: a built-in optimizer updates the engine's parameters "
+                    "only, and %s keeps %d trainable parameter(s) of its own; pass a Python "
+                    "step function (a torch optimizer over optim_parameters())"
+                    % (type(self.model).__name__, len(own)))
+            for rp in self.roundpipes:
+                rp.step(step_fn, is_async)
+            return
+        rps = self.roundpipes
+        if not rps:
+            step_fn(*args, **kwargs)
+            return
+
+        def inside(k: int) -> Any:
+            # step_fn runs innermost, once, while every RoundPipe is inside its own step
+            if k == len(rps):
+                return step_fn(*args, **kwargs)
+            return rps[k].step(lambda: inside(k + 1), False)
+
+        rps[0].step(lambda: inside(1), is_async and not own)
 
     def synchronize(self) -> None:
         for rp in self.roundpipes:
@@ -136,7 +210,8 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
        RoundPipe (num_microbatch 1 below `lower_threshold`); an nn.ModuleList is wrapped
        element by element; anything else is recursed into, its own forward running on the
        calling thread. When the root itself was wrapped the result is that RoundPipe; else an
-       :class:`AutoRoundPipe` (forward only, as upstream). `override_config` maps modules to
+       :class:`AutoRoundPipe` (forward() with autograd and step(), no fused forward_backward,
+       as upstream). `override_config` maps modules to
        their RoundPipeRunConfig.
 
     The result forwards unknown attributes to `model` (``set_original_model``). `host_memory`
@@ -191,7 +266,8 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
     if upper_threshold is None:
         upper_threshold = total / (_device_count(roundpipe_kwargs.get("devices")) + 1)
     skip = list(skip_modules)
-    inner = []
+    inner: List[RoundPipe] = []
+    paths: List[str] = []  # each inner RoundPipe's place in `model`
 
     def wrap(module, suffix):
         if any(module is s for s in skip):
@@ -216,13 +292,14 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
                         setattr(module, child_name, wrapped)
             return module
         inner.append(rp)
+        paths.append(suffix.lstrip("."))
         return rp if module is model else RoundPipeModule(rp)
 
     result = wrap(model, "")
     if isinstance(result, RoundPipe):
         result.set_original_model(model)
         return result
-    return AutoRoundPipe(result, inner)
+    return AutoRoundPipe(result, inner, paths)
 
 
 def _native(model, peft_base):
