@@ -113,11 +113,10 @@ class RoundPipeRunConfig:
             ``TensorChunkSpec(dim)`` (concatenate along `dim`), a ``_CustomReducer``,
             ``_Replicate`` (every microbatch gave the same value), a nested tuple/list/dict of
             these matching the output's structure, or a function ``merge(list_of_outputs)``.
-        execute_plan: a :class:`roundpipe.ModelExecutePlan`: which layers form each stage.
-            The engine holds one stage plan, fixed when the model is built and used by forward
-            and backward alike: a model-level plan builds the model with it; a per-call plan
-            must be the plan in force (``ModelExecutePlan.auto`` returns it), else
-            RoundPipeUnsupportedError naming execute_plan. See roundpipe.execute_plan.
+        execute_plan: a :class:`roundpipe.ModelExecutePlan`: which layers form each stage,
+            forward and backward. A model-level plan is the model's own; a per-call plan
+            switches the engine's plans for that call and back at the next call without one.
+            See roundpipe.execute_plan.
     """
 
     _FIELDS = ("requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
