@@ -215,44 +215,48 @@ def test_packed_outputs_feed_another_model_as_pytorch():
         with pytest.raises(RoundPipeError, match="num_microbatch"):
             model2.forward_backward(input_args=(hidden,), label=y, loss_fn=mse_sum,
                                     run_config=RoundPipeRunConfig(num_microbatch=2))
-        # forward_backward cannot back-propagate into model1: refused, not silently dropped
+        # packed outputs cannot carry gradients back into model1: refused, not silently dropped
         hidden_grad = model1(x, roundpipe_run_config=RoundPipeRunConfig(merge_output=False))
         if hidden_grad[0].requires_grad:
-            with pytest.raises(RoundPipeUnsupportedError, match="input_args"):
+            with pytest.raises(RoundPipeUnsupportedError, match="RoundPipePackedData"):
                 model2.forward_backward(input_args=(hidden_grad,), label=y, loss_fn=mse_sum)
 
 
-def test_forward_backward_refuses_inputs_that_require_grad():
-    """Upstream's forward_backward back-propagates into its inputs; ours cannot (the engine
-    returns no input gradients), so an input that requires grad is refused before anything runs
-    instead of leaving its producer silently without gradients: a merged training output of
-    another model, or a leaf made with requires_grad=True. Nothing of a refused call is kept:
-    training on the detached input afterwards gives PyTorch's gradients."""
+def test_forward_backward_back_propagates_into_its_inputs_as_pytorch():
+    """Upstream's forward_backward back-propagates into its inputs (API_run_config's
+    "model1.forward(...) then model2.forward_backward(input_args=(output1,))"). The fused call
+    gives no input gradients, so such a call runs as forward() and loss.backward(): both models'
+    gradients, the loss and the outputs equal plain PyTorch's on the two models chained, and a
+    leaf input made with requires_grad=True gets torch's x.grad. A built-in loss there is refused
+    before anything runs."""
     enc, dec = mlp(1, out=16), mlp(2, inp=16)
-    ref_dec = copy.deepcopy(dec)
+    ref_enc, ref_dec = copy.deepcopy(enc), copy.deepcopy(dec)
     x, y = torch.randn(6, 8), torch.randn(6, 4)
     with RoundPipe(enc, devices=DEVICES) as model1, RoundPipe(dec, devices=DEVICES) as model2:
         hidden = model1(x)  # a training forward: the merged output carries model1's autograd
         assert hidden.requires_grad and hidden.grad_fn is not None
-        with pytest.raises(RoundPipeUnsupportedError, match="requires grad"):
-            model2.forward_backward(input_args=(hidden,), label=y, loss_fn=mse_sum)
-        with pytest.raises(RoundPipeUnsupportedError, match="requires grad"):
-            model2.forward_backward(input_args=(), input_kwargs={"x": hidden}, label=y,
-                                    loss_fn=mse_sum)
-        leaf = x.clone().requires_grad_(True)
-        with pytest.raises(RoundPipeUnsupportedError, match="requires grad"):
-            model1.forward_backward(input_args=(leaf,), label=torch.randn(6, 16),
-                                    loss_fn=mse_sum)
-        model2.synchronize()
-        assert all(p.grad is None or not p.grad.any() for p in dec.parameters())
-        feature = hidden.detach()
-        loss = model2.forward_backward(input_args=(feature,), label=y, loss_fn=mse_sum)
-        want = mse_sum(ref_dec(feature), y)
+        loss, out = model2.forward_backward(input_args=(hidden,), label=y, loss_fn=mse_sum,
+                                            return_outputs=True)
+        want_out = ref_dec(ref_enc(x))
+        want = mse_sum(want_out, y)
         want.backward()
+        assert loss.dtype == torch.float64 and loss.dim() == 0
         assert float(loss) == pytest.approx(float(want), rel=RTOL)
+        torch.testing.assert_close(out, want_out.detach(), rtol=RTOL, atol=ATOL)
+        model1.synchronize()
         model2.synchronize()
-        for p, q in zip(dec.parameters(), ref_dec.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        for mine, ref in ((enc, ref_enc), (dec, ref_dec)):
+            for p, q in zip(mine.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        leaf = x.clone().requires_grad_(True)
+        ref_leaf = x.clone().requires_grad_(True)
+        target = torch.randn(6, 16)
+        model1.forward_backward(input_args=(leaf,), label=target, loss_fn=mse_sum)
+        mse_sum(ref_enc(ref_leaf), target).backward()
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=RTOL, atol=ATOL)
+        with pytest.raises(RoundPipeUnsupportedError, match="built-in"):
+            model2.forward_backward(input_args=(torch.randn(6, 16, requires_grad=True),),
+                                    label=y, loss_fn="mse")
 
 
 def test_packed_outputs_chain_through_forward():

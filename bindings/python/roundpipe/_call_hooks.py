@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 
+from ._chained_backward import forward_backward_through_forward
 from ._microbatch import (RoundPipePackedData, any_requiring_grad, chained_call,
                           packed_requiring_grad)
 from .errors import RoundPipeUnsupportedError
@@ -50,16 +51,11 @@ def forward_backward_call(method: F) -> F:
         if isinstance(input_args, RoundPipePackedData) or \
                 not isinstance(input_args, (tuple, list)):
             input_args = (input_args,)
-        # Checked before anything runs: the call would otherwise train this model and leave
-        # the inputs' producer (another model's training forward) silently without gradients.
+        # The fused call gives no input gradients: inputs that require grad (another model's
+        # training output) take forward() and loss.backward(), as upstream back-propagates.
         if any_requiring_grad(input_args, input_kwargs):
-            raise RoundPipeUnsupportedError(
-                "input_args / input_kwargs: an input requires grad (another model's training "
-                "output, or a tensor made with requires_grad=True), and forward_backward() does "
-                "not back-propagate into its inputs (the engine returns no input gradients), so "
-                "whatever made it would get none; chain with this model's forward() and "
-                "loss.backward() to train both, or make the input under torch.no_grad(), with "
-                "the first model in eval(), or .detach() it to train this model alone")
+            return forward_backward_through_forward(self, input_args, input_kwargs, label,
+                                                    loss_fn, return_outputs, run_config)
         input_args, input_kwargs, config = chained_call(
             tuple(input_args), input_kwargs, run_config, self.model_run_config)
         check_call_plan(self, config, "fused")

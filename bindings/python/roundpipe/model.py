@@ -574,7 +574,10 @@ class RoundPipe(WeightsMixin):
         """Training: forward, loss and backward of every microbatch in one pipelined pass.
 
         Gradients are added to the accumulated gradients (consumed by the next step()); with
-        :meth:`set_step_in_call` on, the call is the step itself.
+        :meth:`set_step_in_call` on, the call is the step itself. Inputs that require grad
+        (another model's training output, a leaf with requires_grad=True) get their gradients
+        too, as upstream: such a call runs as forward() and loss.backward() instead of the
+        fused pass (a Python loss_fn only; see roundpipe/_chained_backward.py).
 
         Args:
             input_args: positional inputs (a tuple; a single tensor is accepted too).
