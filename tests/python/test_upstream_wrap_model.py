@@ -54,6 +54,23 @@ def test_preset_wrapping_keeps_the_original_models_attributes():
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=RTOL, atol=ATOL)
 
 
+def test_use_sequential_preset_none_says_which_preset_it_took(capsys):
+    """API_model: with use_sequential_preset=None "a message is printed if a matching preset
+    is found"; True asked for one and says nothing."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        use_cache=False)
+    hf = transformers.Qwen3ForCausalLM(cfg).float()
+    with wrap_model_to_roundpipe(hf, devices=DEVICES):
+        pass
+    assert "native preset for Qwen3ForCausalLM" in capsys.readouterr().err
+    with wrap_model_to_roundpipe(hf, use_sequential_preset=True, devices=DEVICES):
+        pass
+    assert "preset" not in capsys.readouterr().err
+
+
 def test_use_sequential_preset_true_without_a_preset_raises_not_implemented():
     class Net(nn.Module):
         def __init__(self):

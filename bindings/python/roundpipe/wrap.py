@@ -11,6 +11,7 @@ wrapped whole becomes an :class:`AutoRoundPipe`.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from typing import Any, Container, Dict, Iterator, List, Optional, Union
 
@@ -243,6 +244,7 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
     if use_sequential_preset is not False:
         base = peft_base_model(model)
         if native_preset and _native(model, base):
+            _say_preset(use_sequential_preset, model, "the engine's native")
             wrapped = build(model, model_run_config)
             wrapped.set_original_model(model)
             return wrapped
@@ -250,6 +252,7 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
         # wraps, whose frozen base weights stay frozen and adapters train.
         preset = sequential_preset(base if base is not None else model)
         if preset is not None:
+            _say_preset(use_sequential_preset, model, "a Python Sequential")
             wrapped = build(preset, model_run_config)
             wrapped.set_original_model(model)
             wrapped._causal_lm = CausalLM.of_transformers(base if base is not None else model)
@@ -300,6 +303,14 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: Optional[bo
         result.set_original_model(model)
         return result
     return AutoRoundPipe(result, inner, paths)
+
+
+def _say_preset(use_sequential_preset, model, kind):
+    """Upstream prints a message when ``use_sequential_preset=None`` finds a preset (True asked
+    for one, so it says nothing then)."""
+    if use_sequential_preset is None:
+        print("roundpipe: wrap_model_to_roundpipe: %s preset for %s (use_sequential_preset="
+              "False skips presets)" % (kind, type(model).__name__), file=sys.stderr)
 
 
 def _native(model, peft_base):
