@@ -565,6 +565,29 @@ RP_API rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out
                                      int32_t capacity, const rp_model *model);
 
 /**
+ * A stage plan the automatic planner makes for this model's layers under a per-stage memory
+ * limit, without changing the model (its plan stays; apply this one with
+ * rp_model_set_stage_plan or a call's run config). The planner balances the layers' estimated
+ * (on GPUs, once measured, their measured) compute costs over contiguous stages whose fixed
+ * bytes (each layer's weights and gradients in the model dtype, plus its workspace) stay within
+ * `max_stage_bytes`, with at least `min_stages` stages (capped at one per layer). Activations
+ * are not counted. This is upstream's ModelExecutePlan.auto(model_memory_limit=G): pass G GiB
+ * / 2 per stage.
+ * @param max_stage_bytes the most a stage may hold; 0: no limit.
+ * @param min_stages the fewest stages; 0 or 1: as few as the limit allows.
+ * @param out_layers_per_stage up to `capacity` counts are written (may be NULL when capacity
+ *        is 0).
+ * @param out_num_stages receives the number of stages (also when it exceeds `capacity`).
+ * @return RP_OK; RP_ERR_INVALID_ARGUMENT (NULL model or out_num_stages, negative capacity,
+ *         max_stage_bytes or min_stages, or one layer alone over max_stage_bytes: the message
+ *         names it and its bytes).
+ * Thread: the thread driving this model.
+ */
+RP_API rp_status rp_model_plan_stages(int32_t *out_layers_per_stage, int32_t *out_num_stages,
+                                      int32_t capacity, const rp_model *model,
+                                      int64_t max_stage_bytes, int32_t min_stages);
+
+/**
  * Replace the stage plan of a live model, as rp_model_options_set_stage_plan does at creation:
  * stage s holds the next `layers_per_stage[s]` layers; NULL or n == 0 returns to the automatic
  * planner (on GPUs the third training call from then re-plans from measured times). The next

@@ -120,6 +120,12 @@ class Model {
     // Layers per stage of the plan of the last call (before any call: the plan for weights
     // alone).
     std::vector<int> stage_plan() const;
+    // A plan the automatic planner makes for the layers' costs with each stage's fixed bytes
+    // (weights and gradients in the model dtype, plus workspaces) at most `max_stage_bytes`
+    // (<= 0: no limit) and at least `min_stages` stages (at most one per layer); the model's
+    // own plan is left alone (upstream's ModelExecutePlan.auto with model_memory_limit).
+    // Throws InvalidArgument when one layer alone is over the limit.
+    std::vector<int> plan_stages(double max_stage_bytes, size_t min_stages) const;
     // Tokens of the largest microbatch: what Layer::activation_bytes_per_token is per. Input 0
     // decides: each element of an integer tensor (token ids) is a token; a floating tensor has
     // one per row along its last dimension.

@@ -255,6 +255,46 @@ static void caller_layers_declare_their_activation_bytes(void **state) {
     rp_model_destroy(guessed);
 }
 
+/* rp_model_plan_stages, upstream's ModelExecutePlan.auto(model_memory_limit): a decoder layer's
+ * weights and gradients are 886,016 bytes in fp32 (110,752 parameters: q 64x64, k and v 64x32,
+ * o 64x64, q/k norms 16 each, two norms of 64, MLP 3 x 64x512), so a limit of 1,000,000 bytes
+ * gives every decoder layer a stage of its own and 800,000 is under one layer alone. The
+ * model's own plan is left as it was. */
+static void plan_stages_keeps_each_stage_under_the_limit_and_changes_nothing(void **state) {
+    (void)state;
+    rp_model *m = model_with_cap(0);
+    int32_t before[NUM_LAYERS], counts[NUM_LAYERS], after[NUM_LAYERS];
+    const int32_t stages_before = plan_of(m, before);
+    int32_t n = 0;
+    TS_OK(rp_model_plan_stages(counts, &n, NUM_LAYERS, m, 1000000, 0));
+    assert_true(n >= 6 && n <= NUM_LAYERS);
+    int covered = 0;
+    for (int32_t s = 0; s < n; ++s) {
+        assert_true(decoders_in_stage(counts, s) <= 1);
+        covered += counts[s];
+    }
+    assert_int_equal(covered, NUM_LAYERS);
+    TS_OK(rp_model_plan_stages(counts, &n, NUM_LAYERS, m, 0, NUM_LAYERS));
+    assert_int_equal(n, NUM_LAYERS); /* min_stages: one layer a stage */
+    TS_OK(rp_model_plan_stages(counts, &n, NUM_LAYERS, m, 0, 100));
+    assert_int_equal(n, NUM_LAYERS); /* capped at one per layer */
+    TS_OK(rp_model_plan_stages(NULL, &n, 0, m, 0, 0));
+    assert_true(n >= 1);               /* the count alone */
+    TS_ERR(rp_model_plan_stages(counts, &n, NUM_LAYERS, m, 800000, 0), RP_ERR_INVALID_ARGUMENT,
+           "layer 1 alone");
+    TS_ERR(rp_model_plan_stages(counts, &n, NUM_LAYERS, m, -1, 0), RP_ERR_INVALID_ARGUMENT,
+           "max_stage_bytes");
+    TS_ERR(rp_model_plan_stages(counts, &n, NUM_LAYERS, m, 0, -1), RP_ERR_INVALID_ARGUMENT,
+           "min_stages");
+    TS_ERR(rp_model_plan_stages(counts, NULL, NUM_LAYERS, m, 0, 0), RP_ERR_INVALID_ARGUMENT,
+           "out_num_stages");
+    TS_ERR(rp_model_plan_stages(counts, &n, NUM_LAYERS, NULL, 0, 0), RP_ERR_INVALID_ARGUMENT,
+           "NULL");
+    assert_int_equal(plan_of(m, after), stages_before);
+    assert_memory_equal(after, before, sizeof(int32_t) * (size_t)stages_before);
+    rp_model_destroy(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(short_sequences_keep_the_plan_weights_alone_give),
@@ -262,6 +302,7 @@ int main(void) {
         cmocka_unit_test(layer_grain_recompute_lets_backward_stages_grow_but_not_the_tail),
         cmocka_unit_test(the_long_sequence_plan_computes_what_the_weights_only_plan_does),
         cmocka_unit_test(caller_layers_declare_their_activation_bytes),
+        cmocka_unit_test(plan_stages_keeps_each_stage_under_the_limit_and_changes_nothing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -113,9 +113,42 @@ def test_auto_on_the_engines_automatic_plan():
     net = four_layers()
     with RoundPipe(net, devices=DEVICES) as model:
         counts = model.stage_plan()
-        plan = ModelExecutePlan.auto("fused", model, min_stages=2, upper_threshold=1.5)
+        plan = ModelExecutePlan.auto("fused", model, upper_threshold=1.5)
         assert [len(r) for r in plan.fwd_plan] + [len(plan.bwd_plan[0])] == counts
         check_training(model, net, RoundPipeRunConfig(execute_plan=plan))
+
+
+def stage_bytes(net, plan):
+    """Each stage's weights and gradients in fp32 (the model dtype), from torch's parameters."""
+    counts = [len(r) for r in plan.fwd_plan] + [len(plan.bwd_plan[0])]
+    layer = [2 * 4 * sum(p.numel() for p in m.parameters()) for m in net]
+    out, at = [], 0
+    for n in counts:
+        out.append(sum(layer[at:at + n]))
+        at += n
+    assert at == len(net)
+    return out
+
+
+def test_auto_plans_stages_under_model_memory_limit_and_min_stages():
+    """upstream's resolve_oom page: a lower model_memory_limit forces smaller stages (each
+    stage's weights and gradients within half of it); min_stages raises the stage count. The
+    engine's planner makes the plan (rp_model_plan_stages); the model's own plan stays; the plan
+    trains as PyTorch."""
+    net = four_layers()  # fp32 weights + gradients per layer: 1152, 0, 2176, 544 bytes
+    with RoundPipe(net, devices=DEVICES, stage_plan=[4]) as model:
+        per_stage = 2200  # bytes: layers 2 and 3 cannot share a stage, 0 and 1 can
+        plan = ModelExecutePlan.auto("fused", model, model_memory_limit=2 * per_stage / 2 ** 30)
+        sizes = stage_bytes(net, plan)
+        assert len(sizes) >= 3 and max(sizes) <= per_stage
+        assert model.stage_plan() == [4]  # planning changed nothing
+        check_training(model, net, RoundPipeRunConfig(execute_plan=plan))
+        four = ModelExecutePlan.auto("train", model, min_stages=4)
+        assert four.fwd_plan == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+        assert ModelExecutePlan.auto("fused", model, min_stages=9).fwd_plan == \
+            four.fwd_plan[:3]  # one layer per stage at most
+        with pytest.raises(RoundPipeError, match="layer 2 alone"):
+            ModelExecutePlan.auto("fused", model, model_memory_limit=2 * 2000 / 2 ** 30)
 
 
 def test_auto_with_several_models_gives_one_plan_each_and_they_chain():
@@ -298,10 +331,9 @@ def test_auto_bad_arguments_name_them():
             ModelExecutePlan.auto("fused", model, upper_threshold=0.5)
         with pytest.raises(RoundPipeError, match="model_memory_limit"):
             ModelExecutePlan.auto("fused", model, model_memory_limit=-1)
-        # a limit the engine's plan fits in is fine; one it does not is unsupported
         assert isinstance(ModelExecutePlan.auto("fused", model, model_memory_limit=8.0),
                           ModelExecutePlan)
-        with pytest.raises(RoundPipeUnsupportedError, match="model_memory_limit"):
+        with pytest.raises(RoundPipeError, match="alone needs"):  # less than one layer
             ModelExecutePlan.auto("fused", model, model_memory_limit=1e-9)
 
 

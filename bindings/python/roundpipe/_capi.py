@@ -339,6 +339,8 @@ def _declare_model(fn):
     fn("rp_model_num_devices", st, [P(c_int32), rp_model_p])         # rp_status rp_model_num_devices(int32_t *out_count, const rp_model *model);
     fn("rp_model_stage_plan", st,
        [P(c_int32), P(c_int32), c_int32, rp_model_p])                # rp_status rp_model_stage_plan(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model);
+    fn("rp_model_plan_stages", st,
+       [P(c_int32), P(c_int32), c_int32, rp_model_p, c_int64, c_int32])  # rp_status rp_model_plan_stages(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model, int64_t max_stage_bytes, int32_t min_stages);
     fn("rp_model_set_stage_plan", st,
        [rp_model_p, P(c_int32), c_size_t])                           # rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
     fn("rp_model_set_backward_stage_plan", st,

@@ -604,6 +604,15 @@ class Model(Owned):
         """Layers per backward stage in force (``rp_model_backward_stage_plan``)."""
         return self._read_plan(lib().rp_model_backward_stage_plan)
 
+    def plan_stages(self, max_stage_bytes, min_stages):
+        """``rp_model_plan_stages``: the planner's stages under a per-stage byte limit (0: none)
+        and a least stage count, the model's own plan left alone."""
+        n = c_int32()
+        counts = (c_int32 * max(1, self.count("num_layers")))()
+        lib().rp_model_plan_stages(counts, byref(n), len(counts), self.handle,
+                                   int(max_stage_bytes), int(min_stages))
+        return list(counts[:n.value])
+
     def _read_plan(self, query):
         n = c_int32()
         query(None, byref(n), 0, self.handle)

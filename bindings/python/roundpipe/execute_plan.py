@@ -36,7 +36,7 @@ ascending, backward not descending, the fused rule) raises :class:`RoundPipeErro
 
 from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Union
 
-from .errors import RoundPipeError, RoundPipeUnsupportedError, Status
+from .errors import RoundPipeError, Status
 
 try:
     from typing import Literal
@@ -185,17 +185,20 @@ class ModelExecutePlan:
     def auto(cls, run_type: RunType, *models: "RoundPipe", min_stages: Optional[int] = None,
              upper_threshold: float = 1.1, model_memory_limit: Optional[float] = None
              ) -> Union["ModelExecutePlan", List["ModelExecutePlan"]]:
-        """The plan each model's engine runs, in the form of `run_type` ("infer", "train" or
-        "fused"): the engine's own planner decides the stages (from layer cost estimates, and
-        on GPUs from the times measured in the first three training calls), and this returns its
-        current stage plan (``rp_model_stage_plan``). One model gives one plan, several a list.
+        """A plan for each model, in the form of `run_type` ("infer", "train" or "fused"); one
+        model gives one plan, several a list (each planned on its own). The engine's planner
+        decides the stages, from layer cost estimates and, on GPUs, the times measured in the
+        first three training calls.
 
-        `min_stages` and `upper_threshold` are hints (upstream: "the actual number of stages
-        may be lower"); the engine's planner does not take them and they change nothing.
-        `model_memory_limit` (GB of parameters and gradients; each stage may use half) is
-        checked against the plan in force: a stage over it raises RoundPipeUnsupportedError
-        naming model_memory_limit (the engine's per-stage limit is set when the model is built,
-        by ``gpu_memory_cap``)."""
+        With neither `min_stages` nor `model_memory_limit` given, this is the plan the model
+        runs now (``rp_model_stage_plan``). With either, the planner makes a new one
+        (``rp_model_plan_stages``; the model's own plan is left alone, so pass the result as an
+        ``execute_plan``): stages whose weights and gradients (model dtype, plus workspaces)
+        stay within `model_memory_limit` / 2 GiB each, as upstream (a stage is prefetched while
+        another computes), and at least `min_stages` of them (at most one per layer). A layer
+        alone over the limit raises RoundPipeError (INVALID_ARGUMENT) naming it.
+        `upper_threshold` is a hint the planner does not take (it balances the stages' costs
+        exactly)."""
         _check_run_type(run_type)
         if not models:
             raise RoundPipeError(Status.INVALID_ARGUMENT,
@@ -222,12 +225,16 @@ class ModelExecutePlan:
                                  % (model_memory_limit,))
         plans = []
         for m in models:
-            counts = m.stage_plan()
-            if model_memory_limit is not None:
-                _check_memory(m, counts, float(model_memory_limit))
-            backward = m.backward_stage_plan()
-            plans.append(cls.from_stage_plan(counts, run_type,
-                                             None if backward == counts else backward))
+            if min_stages is None and model_memory_limit is None:
+                counts = m.stage_plan()
+                backward = m.backward_stage_plan()
+                plans.append(cls.from_stage_plan(counts, run_type,
+                                                 None if backward == counts else backward))
+                continue
+            limit = 0 if model_memory_limit is None else \
+                max(1, int(float(model_memory_limit) / 2 * 2 ** 30))
+            counts = m._model.plan_stages(limit, min_stages or 0)
+            plans.append(cls.from_stage_plan(counts, run_type, None))
         return plans[0] if len(plans) == 1 else plans
 
 
@@ -255,34 +262,6 @@ def _ranges(value: object, name: str) -> List[range]:
                        % (name, i, r))
         out.append(r)
     return out
-
-
-def _check_memory(model: "RoundPipe", counts: List[int], limit_gb: float) -> None:
-    """Each stage's parameters and gradients (model dtype, from the engine's parameter
-    shapes) within half of `limit_gb`."""
-    import torch
-    module = model.__dict__.get("model")
-    dtypes = {p.dtype for p in module.parameters()} if module is not None else set()
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    size = torch.empty((), dtype=dtype).element_size()
-    per_layer = {}
-    for name, p in model.optim_named_parameters():
-        head = name.split(".", 1)[0]
-        if not head.isdigit():
-            continue
-        layer = int(head)
-        per_layer[layer] = per_layer.get(layer, 0) + p.numel() * size * 2
-    at = 0
-    for s, n in enumerate(counts):
-        stage_bytes = sum(per_layer.get(i, 0) for i in range(at, at + n))
-        if stage_bytes > limit_gb / 2 * 2 ** 30:
-            raise RoundPipeUnsupportedError(
-                "ModelExecutePlan.auto: model_memory_limit=%g GB allows %.4g GB per stage, but "
-                "stage %d (layers %d..%d) of the engine's plan holds %.4g GB of parameters and "
-                "gradients; the engine plans its stages when the model is built: pass "
-                "gpu_memory_cap= or a model-level execute_plan to RoundPipe(...)"
-                % (limit_gb, limit_gb / 2, s, at, at + n - 1, stage_bytes / 2 ** 30))
-        at += n
 
 
 def model_stage_plan(stage_plan: Optional[Sequence[int]],

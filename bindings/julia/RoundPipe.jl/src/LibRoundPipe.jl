@@ -507,6 +507,12 @@ rp_model_stage_plan(out_layers_per_stage, out_num_stages, capacity, model) =
           (Ptr{Int32}, Ptr{Int32}, Int32, Ptr{rp_model}),
           out_layers_per_stage, out_num_stages, capacity, model)
 
+# rp_status rp_model_plan_stages(int32_t *out_layers_per_stage, int32_t *out_num_stages, int32_t capacity, const rp_model *model, int64_t max_stage_bytes, int32_t min_stages);
+rp_model_plan_stages(out_layers_per_stage, out_num_stages, capacity, model, max_stage_bytes, min_stages) =
+    ccall((:rp_model_plan_stages, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{Int32}, Int32, Ptr{rp_model}, Int64, Int32),
+          out_layers_per_stage, out_num_stages, capacity, model, max_stage_bytes, min_stages)
+
 # rp_status rp_model_set_stage_plan(rp_model *model, const int32_t *layers_per_stage, size_t n);
 rp_model_set_stage_plan(model, layers_per_stage, n) =
     ccall((:rp_model_set_stage_plan, libroundpipe()), rp_status,

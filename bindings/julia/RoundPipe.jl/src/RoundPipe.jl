@@ -41,7 +41,7 @@ export num_layers, num_stages, num_devices, step_count, host_state_bytes, trace_
 export nonfinite_counts, set_grad_scaler!, set_skip_nonfinite_steps!
 export set_step_in_call!, step_in_call
 export DataParallel, data_parallel, data_parallel_available
-export stage_plan, set_stage_plan!, backward_stage_plan, set_backward_stage_plan!
+export stage_plan, set_stage_plan!, backward_stage_plan, set_backward_stage_plan!, plan_stages
 export resolve_run_config, split_microbatches
 export num_microbatch, recompute_grain, output_device, merge_output
 export param_count, param_name, param_names, param_find, param_shape, param_hf_name

@@ -209,6 +209,22 @@ stages of `stage_plan(model)`.
 """
 backward_stage_plan(m::Model) = _read_plan(L.rp_model_backward_stage_plan, m)
 
+"""
+    plan_stages(model; max_stage_bytes=0, min_stages=0) -> Vector{Int}
+
+A stage plan the engine's planner makes for the model's layers without changing the model
+(apply it with `set_stage_plan!`): each stage's weights and gradients (model dtype, plus
+workspaces) at most `max_stage_bytes` (0: no limit), at least `min_stages` stages (at most one
+per layer). A layer alone over the limit throws, naming it.
+"""
+function plan_stages(m::Model; max_stage_bytes::Integer=0, min_stages::Integer=0)
+    plan = zeros(Int32, max(1, num_layers(m)))
+    n = Ref{Int32}(0)
+    @check L.rp_model_plan_stages(plan, n, Int32(length(plan)), _ptr(m),
+                                  Int64(max_stage_bytes), Int32(min_stages))
+    return Int.(plan[1:n[]])
+end
+
 # rp_model_stage_plan / rp_model_backward_stage_plan: ask for the count, then the plan.
 function _read_plan(query, m::Model)
     n = Ref{Int32}(0)

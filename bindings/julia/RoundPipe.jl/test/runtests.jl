@@ -308,6 +308,17 @@ end
     end
 end
 
+@testset "plan_stages: the planner's plan under limits, the model's own left alone" begin
+    Model(Example.SPEC; devices=:cpu, num_devices=2, stage_plan=[4]) do m
+        @test plan_stages(m; min_stages=4) == [1, 1, 1, 1]
+        @test plan_stages(m; min_stages=9) == [1, 1, 1, 1]
+        @test sum(plan_stages(m; min_stages=2)) == 4
+        @test_throws RoundPipeError plan_stages(m; max_stage_bytes=1)
+        @test_throws RoundPipeError plan_stages(m; max_stage_bytes=-1)
+        @test stage_plan(m) == [4]
+    end
+end
+
 @testset "backward stage plan: needs a forward plan, reads back, dropped by a new one" begin
     Model(Example.SPEC; devices=:cpu, num_devices=2) do m
         @test_throws RoundPipeError set_backward_stage_plan!(m, [1, 1, 1, 1])

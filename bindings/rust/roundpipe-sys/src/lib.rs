@@ -436,6 +436,14 @@ extern "C" {
         capacity: i32,
         model: *const rp_model,
     ) -> rp_status;
+    pub fn rp_model_plan_stages(
+        out_layers_per_stage: *mut i32,
+        out_num_stages: *mut i32,
+        capacity: i32,
+        model: *const rp_model,
+        max_stage_bytes: i64,
+        min_stages: i32,
+    ) -> rp_status;
     pub fn rp_model_set_stage_plan(
         model: *mut rp_model,
         layers_per_stage: *const i32,

@@ -342,6 +342,29 @@ impl Model {
         self.read_plan(sys::rp_model_stage_plan)
     }
 
+    /// A stage plan the engine's planner makes for the layers without changing the model
+    /// (`rp_model_plan_stages`; apply it with [`set_stage_plan`](Self::set_stage_plan)): each
+    /// stage's weights and gradients (model dtype, plus workspaces) at most `max_stage_bytes`
+    /// (0: no limit), at least `min_stages` stages (at most one per layer). An error names a
+    /// layer that alone is over the limit.
+    pub fn plan_stages(&self, max_stage_bytes: i64, min_stages: i32) -> Result<Vec<i32>> {
+        let mut plan = vec![0i32; self.num_layers()?.max(1) as usize];
+        let (mut n, capacity) = (0i32, plan.len() as i32);
+        // SAFETY: `plan` holds `capacity` counts; the library writes at most that many.
+        check(unsafe {
+            sys::rp_model_plan_stages(
+                plan.as_mut_ptr(),
+                &mut n,
+                capacity,
+                self.ptr.as_ptr(),
+                max_stage_bytes,
+                min_stages,
+            )
+        })?;
+        plan.truncate(n.max(0) as usize);
+        Ok(plan)
+    }
+
     /// Replace the stage plan (`rp_model_set_stage_plan`): stage `s` holds the next
     /// `layers_per_stage[s]` layers; an empty slice returns to the automatic planner. Refused
     /// (plan unchanged) for bad counts, or while a `forward_train` awaits its `backward`. A

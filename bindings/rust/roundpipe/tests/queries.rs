@@ -50,6 +50,30 @@ fn stage_plan_set_at_runtime_reads_back_and_bad_plans_change_nothing() {
 }
 
 #[test]
+fn plan_stages_plans_without_changing_the_model_and_names_a_layer_over_the_limit() {
+    let mut opts = options(2);
+    opts.set_stage_plan(&[4]).unwrap();
+    let model = Model::new(SPEC, Some(&opts)).unwrap();
+    assert_eq!(model.plan_stages(0, 4).unwrap(), vec![1, 1, 1, 1]);
+    assert_eq!(model.plan_stages(0, 9).unwrap(), vec![1, 1, 1, 1]); // one layer a stage at most
+    let two = model.plan_stages(0, 2).unwrap();
+    assert!(two.len() >= 2 && two.iter().sum::<i32>() == 4, "{:?}", two);
+    // one byte a stage: the first layer with weights (layer 0) is over it
+    let e = model.plan_stages(1, 0).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(e.message().contains("layer 0 alone"), "{}", e.message());
+    assert_eq!(
+        model.plan_stages(-1, 0).unwrap_err().status(),
+        Status::InvalidArgument
+    );
+    assert_eq!(
+        model.plan_stages(0, -1).unwrap_err().status(),
+        Status::InvalidArgument
+    );
+    assert_eq!(model.stage_plan().unwrap(), vec![4]); // the model's own plan is left alone
+}
+
+#[test]
 fn planner_stage_plan_covers_every_layer_once() {
     for devices in [1, 2, 3] {
         let model = Model::new(SPEC, Some(&options(devices))).unwrap();
