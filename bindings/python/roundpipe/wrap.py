@@ -66,9 +66,11 @@ class AutoRoundPipe:
       the root's as `model` does.
     - step(step_fn) runs step_fn once per step, with every inner RoundPipe inside its step (its
       parameters' ``.grad`` that step's gradients), so one torch optimizer over
-      optim_parameters() updates them all; is_async as RoundPipe.step, except that with
-      parameters of the root's own (updated by step_fn on an optimizer thread while the next
-      forward would read them) the step completes before step() returns. A built-in optimizer
+      optim_parameters() updates them all. is_async as RoundPipe.step with one inner RoundPipe
+      and no parameters of the root's own; otherwise the step completes before step() returns
+      (the inner steps are entered from the first one's optimizer thread, which must not race
+      the caller's next forward through the others, and step_fn would update the root's
+      parameters while that forward read them). A built-in optimizer
       steps each inner RoundPipe (refused when the root has trainable parameters of its own: it
       updates the engine's parameters only). A step an inner RoundPipe skips (inf / nan
       gradients, no GradScaler) skips step_fn for all of them.
@@ -77,10 +79,10 @@ class AutoRoundPipe:
 
     def __init__(self, model: nn.Module, inner: List[RoundPipe],
                  inner_paths: Optional[List[str]] = None) -> None:
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "roundpipes", inner)
+        self.model = model
+        self.roundpipes = inner
         # where each inner RoundPipe sits in `model` ("encoder", "blocks.0"): parameter names
-        object.__setattr__(self, "_paths", list(inner_paths or [""] * len(inner)))
+        self._paths = list(inner_paths or [""] * len(inner))
 
     def __getattr__(self, name: str) -> Any:  # only for names not found on the instance
         return getattr(object.__getattribute__(self, "model"), name)
@@ -153,7 +155,7 @@ class AutoRoundPipe:
                 return step_fn(*args, **kwargs)
             return rps[k].step(lambda: inside(k + 1), False)
 
-        rps[0].step(lambda: inside(1), is_async and not own)
+        rps[0].step(lambda: inside(1), is_async and len(rps) == 1 and not own)
 
     def synchronize(self) -> None:
         for rp in self.roundpipes:
