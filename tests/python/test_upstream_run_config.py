@@ -222,6 +222,31 @@ def test_packed_outputs_feed_another_model_as_pytorch():
                 model2.forward_backward(input_args=(hidden_grad,), label=y, loss_fn=mse_sum)
 
 
+class SquareMean(torch.nn.Module):
+    """A last layer whose output is the loss: the mean square of its input (0-d)."""
+
+    def forward(self, x):
+        return (x ** 2).mean()
+
+
+def test_default_loss_is_the_output_and_ignores_the_label():
+    """Upstream's default loss_fn returns the output and ignores the label, whatever it is: the
+    call's loss is the sum of the microbatches' outputs (three by default on two devices), with
+    torch's gradients; a label of any type is accepted and changes nothing."""
+    torch.manual_seed(4)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4), SquareMean())
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 8)
+    with RoundPipe(net, devices=DEVICES) as model:
+        loss = model.forward_backward(input_args=(x,), label={"ignored": [1, "two"]})
+        want = sum(ref(xm) for xm in x.tensor_split(3))
+        want.backward()
+        assert float(loss) == pytest.approx(float(want), rel=RTOL)
+        model.synchronize()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_forward_backward_back_propagates_into_its_inputs_as_pytorch():
     """Upstream's forward_backward back-propagates into its inputs (API_run_config's
     "model1.forward(...) then model2.forward_backward(input_args=(output1,))"). The fused call

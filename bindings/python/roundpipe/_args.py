@@ -65,7 +65,8 @@ def builtin_loss(loss_fn, label, return_outputs):
                 "return_outputs with the causal_lm loss: the LM head computes the loss "
                 "chunk by chunk and never forms the logits; call forward() for logits, or "
                 "pass a Python loss_fn, which receives them")
-        if label is not None and not isinstance(label, torch.Tensor):
+        # "output" (the default) ignores the label, as upstream's default loss_fn does
+        if builtin.kind != "output" and label is not None and not isinstance(label, torch.Tensor):
             raise TypeError("with a built-in loss the label must be one tensor, got %s"
                             % type(label).__name__)
         return builtin

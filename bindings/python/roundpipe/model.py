@@ -613,7 +613,7 @@ class RoundPipe(WeightsMixin):
         if loss_fn is None and label is not None and self._hf_config is not None:
             loss_fn = "causal_lm"
         builtin = builtin_loss(loss_fn, label, return_outputs)
-        engine_label = label if builtin is not None and label is not None else None
+        engine_label = label if builtin is not None and builtin.kind != "output" else None
         label_dim = builtin_label_dim(py.split_label) if engine_label is not None else None
         with CallScope() as scope, layer_call(self._runtime, self._python_layers, scope, tree,
                                               training=True) as state:
