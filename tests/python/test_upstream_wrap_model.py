@@ -259,3 +259,48 @@ def test_auto_roundpipe_trains_as_pytorch(is_async):
             model.step(roundpipe.optim.SGD(lr=0.1))  # a built-in cannot update `gain`
     finally:
         model.close()
+
+
+def test_auto_roundpipe_step_skipped_for_inf_drops_every_gradient_of_that_step():
+    """A step whose gradients hold inf / nan is skipped (no GradScaler): the first inner
+    RoundPipe skips, step_fn does not run, and no inner RoundPipe nor the root's own parameter
+    carries that step's gradients into the next one: after a non-finite step and a finite one
+    the weights equal PyTorch's after the finite step alone."""
+    torch.manual_seed(0)
+    net = NotSequentialWithGain()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = wrap_model_to_roundpipe(net, use_sequential_preset=False,
+                                    optim_dtype=torch.float32, lower_threshold=1 << 30,
+                                    upper_threshold=1, devices=DEVICES)
+    try:
+        opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
+        calls = []
+
+        def step_fn():
+            calls.append(1)
+            opt.step()
+            opt.zero_grad()
+
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+        bad = x.clone()
+        bad[0, 0] = float("inf")
+        nn.functional.mse_loss(model(bad), y).backward()
+        model.step(step_fn)
+        assert calls == []  # skipped
+        nn.functional.mse_loss(model(x), y).backward()
+        model.step(step_fn)
+        assert calls == [1]
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        model.synchronize()
+        got = dict(model.named_parameters())
+        want = dict(ref.named_parameters())
+        torch.testing.assert_close(got["gain"], want["gain"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["encoder.0.weight"], want["encoder.0.weight"],
+                                   rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["head.0.weight"], want["head.weight"], rtol=RTOL,
+                                   atol=ATOL)
+    finally:
+        model.close()

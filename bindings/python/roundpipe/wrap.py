@@ -73,7 +73,7 @@ class AutoRoundPipe:
       parameters while that forward read them). A built-in optimizer
       steps each inner RoundPipe (refused when the root has trainable parameters of its own: it
       updates the engine's parameters only). A step an inner RoundPipe skips (inf / nan
-      gradients, no GradScaler) skips step_fn for all of them.
+      gradients, no GradScaler) skips step_fn, and every gradient of that step is dropped.
     - synchronize(), train(), eval(), close(); other attributes are `model`'s.
     """
 
@@ -149,13 +149,25 @@ class AutoRoundPipe:
             step_fn(*args, **kwargs)
             return
 
+        ran = []
+
         def inside(k: int) -> Any:
             # step_fn runs innermost, once, while every RoundPipe is inside its own step
             if k == len(rps):
+                ran.append(True)
                 return step_fn(*args, **kwargs)
             return rps[k].step(lambda: inside(k + 1), False)
 
-        rps[0].step(lambda: inside(1), is_async and len(rps) == 1 and not own)
+        asynchronous = is_async and len(rps) == 1 and not own
+        rps[0].step(lambda: inside(1), asynchronous)
+        if not asynchronous and not ran:
+            # A RoundPipe skipped its step (inf / nan gradients, no GradScaler): those inside it
+            # never entered theirs, so their gradients and the root's own are dropped as the
+            # skipping one's were, and the next step starts clean everywhere.
+            for rp in rps:
+                rp.zero_grad()
+            for p in own:
+                p.grad = None
 
     def synchronize(self) -> None:
         for rp in self.roundpipes:
