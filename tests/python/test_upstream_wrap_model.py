@@ -202,12 +202,9 @@ class NotSequentialWithGain(NotSequential):
         return super().forward(x) * self.gain
 
 
-@pytest.mark.parametrize("is_async", [False, True])
-def test_auto_roundpipe_trains_as_pytorch(is_async):
-    """Upstream: an AutoRoundPipe keeps RoundPipe's forward and optimizer features. forward()
-    back-propagates into every inner RoundPipe and the root's own parameter; one torch SGD over
-    optim_parameters() in step_fn updates them all once per step (twice would double each
-    update), for three steps, as plain PyTorch on a copy."""
+def auto_with_sgd():
+    """(AutoRoundPipe of a NotSequentialWithGain, its PyTorch copy with SGD, a step_fn running
+    one SGD over the AutoRoundPipe's optim_parameters(), the list each step_fn run appends to)."""
     torch.manual_seed(0)
     net = NotSequentialWithGain()
     ref = copy.deepcopy(net)
@@ -215,20 +212,39 @@ def test_auto_roundpipe_trains_as_pytorch(is_async):
     model = wrap_model_to_roundpipe(net, use_sequential_preset=False,
                                     optim_dtype=torch.float32, lower_threshold=1 << 30,
                                     upper_threshold=1, devices=DEVICES)
+    opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
+    calls = []
+
+    def step_fn():
+        calls.append(1)
+        opt.step()
+        opt.zero_grad()
+
+    return model, (ref, ref_opt), step_fn, calls
+
+
+def assert_same_weights(model, ref):
+    """Every weight of the AutoRoundPipe (the root's own, then the inner RoundPipes in the
+    model's order: torch's order here) equals the PyTorch copy's, parameter by parameter."""
+    mine, theirs = list(model.optim_parameters()), list(ref.parameters())
+    assert len(mine) == len(theirs)
+    for p, q in zip(mine, theirs):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_auto_roundpipe_trains_as_pytorch(is_async):
+    """Upstream: an AutoRoundPipe keeps RoundPipe's forward and optimizer features. forward()
+    back-propagates into every inner RoundPipe and the root's own parameter; one torch SGD over
+    optim_parameters() in step_fn updates them all once per step (twice would double each
+    update), for three steps, as plain PyTorch on a copy."""
+    model, (ref, ref_opt), step_fn, calls = auto_with_sgd()
     try:
         assert isinstance(model, roundpipe.AutoRoundPipe)
         assert len(model.roundpipes) == 4  # encoder, blocks.0, blocks.1, head
         names = [n for n, _ in model.named_parameters()]
-        assert names[:2] == ["encoder.0.weight", "encoder.0.bias"] and names[-1] == "gain"
+        assert names[:3] == ["gain", "encoder.0.weight", "encoder.0.bias"]
         assert len(names) == len(list(ref.parameters()))
-        opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
-        calls = []
-
-        def step_fn():
-            calls.append(1)
-            opt.step()
-            opt.zero_grad()
-
         for k in range(3):
             g = torch.Generator().manual_seed(k)
             x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
@@ -242,15 +258,7 @@ def test_auto_roundpipe_trains_as_pytorch(is_async):
             torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
         model.synchronize()
         assert len(calls) == 3
-        want = dict(ref.named_parameters())
-        got = dict(model.named_parameters())
-        torch.testing.assert_close(got["gain"], want["gain"], rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(got["encoder.2.weight"], want["encoder.2.weight"],
-                                   rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(got["head.0.weight"], want["head.weight"], rtol=RTOL,
-                                   atol=ATOL)
-        torch.testing.assert_close(got["blocks.1.0.bias"], want["blocks.1.bias"], rtol=RTOL,
-                                   atol=ATOL)
+        assert_same_weights(model, ref)
         model.eval()
         with torch.no_grad():
             torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
@@ -266,22 +274,8 @@ def test_auto_roundpipe_step_skipped_for_inf_drops_every_gradient_of_that_step()
     RoundPipe skips, step_fn does not run, and no inner RoundPipe nor the root's own parameter
     carries that step's gradients into the next one: after a non-finite step and a finite one
     the weights equal PyTorch's after the finite step alone."""
-    torch.manual_seed(0)
-    net = NotSequentialWithGain()
-    ref = copy.deepcopy(net)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    model = wrap_model_to_roundpipe(net, use_sequential_preset=False,
-                                    optim_dtype=torch.float32, lower_threshold=1 << 30,
-                                    upper_threshold=1, devices=DEVICES)
+    model, (ref, ref_opt), step_fn, calls = auto_with_sgd()
     try:
-        opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
-        calls = []
-
-        def step_fn():
-            calls.append(1)
-            opt.step()
-            opt.zero_grad()
-
         g = torch.Generator().manual_seed(5)
         x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
         bad = x.clone()
@@ -295,12 +289,6 @@ def test_auto_roundpipe_step_skipped_for_inf_drops_every_gradient_of_that_step()
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
         model.synchronize()
-        got = dict(model.named_parameters())
-        want = dict(ref.named_parameters())
-        torch.testing.assert_close(got["gain"], want["gain"], rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(got["encoder.0.weight"], want["encoder.0.weight"],
-                                   rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(got["head.0.weight"], want["head.weight"], rtol=RTOL,
-                                   atol=ATOL)
+        assert_same_weights(model, ref)
     finally:
         model.close()

@@ -60,10 +60,11 @@ class AutoRoundPipe:
       the parameters the root kept for itself (modules left unwrapped: skip_modules, small ones
       recursed into), which torch's autograd fills as usual; ``eval()`` or ``torch.no_grad()``
       is inference.
-    - optim_parameters() / parameters() are every inner RoundPipe's optimizer parameters, then
-      the root's own; optim_named_parameters() / named_parameters() name an inner RoundPipe's
-      by its place in `model` and then its layer ("encoder.0.weight", "blocks.1.0.weight"),
-      the root's as `model` does.
+    - optim_parameters() / parameters() are the root's own parameters, then every inner
+      RoundPipe's optimizer parameters in the model's order (torch's order when the root's own
+      are its direct parameters); optim_named_parameters() / named_parameters() name the root's
+      as `model` does and an inner RoundPipe's by its place in `model` and then its layer
+      ("encoder.0.weight", "blocks.1.0.weight").
     - step(step_fn) runs step_fn once per step, with every inner RoundPipe inside its step (its
       parameters' ``.grad`` that step's gradients), so one torch optimizer over
       optim_parameters() updates them all. is_async as RoundPipe.step with one inner RoundPipe
@@ -119,15 +120,15 @@ class AutoRoundPipe:
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         return itertools.chain(
-            itertools.chain.from_iterable(rp.optim_parameters() for rp in self.roundpipes),
-            self._own_parameters())
+            self._own_parameters(),
+            itertools.chain.from_iterable(rp.optim_parameters() for rp in self.roundpipes))
 
     parameters = optim_parameters
 
     def optim_named_parameters(self, prefix: str = "") -> Iterator[Any]:
+        yield from self.model.named_parameters(prefix=prefix)
         for path, rp in zip(self._paths, self.roundpipes):
             yield from rp.optim_named_parameters(".".join(x for x in (prefix, path) if x))
-        yield from self.model.named_parameters(prefix=prefix)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[Any]:
         return self.optim_named_parameters(prefix)
