@@ -59,11 +59,12 @@ struct StageLimits {
             act[i + 1] = act[i] + r.layers[i].activation_bytes_per_token;
             if (r.max_stage_weight_bytes > 0 && r.layers[i].fixed_bytes > r.max_stage_weight_bytes)
                 fail(ErrorKind::InvalidArgument,
-                     "layer " + std::to_string(i) + " needs " +
+                     "layer " + std::to_string(i) + " alone needs " +
                          std::to_string(r.layers[i].fixed_bytes / 1048576.0) +
-                         " MiB on the GPU (weights and gradients), more than a stage may use (" +
-                         std::to_string(r.max_stage_weight_bytes / 1048576.0) +
-                         " MiB, a third of the GPU memory cap); raise the cap or split the layer");
+                         " MiB on the GPU (weights and gradients in the model dtype, and its "
+                         "workspace), more than a stage may use (" +
+                         std::to_string(r.max_stage_weight_bytes / 1048576.0) + " MiB, " +
+                         r.weight_limit_source + ")");
         }
     }
     size_t layers() const { return r.costs.size(); }

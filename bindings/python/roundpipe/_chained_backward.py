@@ -59,7 +59,8 @@ def forward_backward_through_forward(model: Any, input_args: Any, input_kwargs: 
     per_microbatch = [_select(outputs, m, n, None) for m in range(n)]
     labels = [None] * n if label is None else \
         split_label(label, model._run_config.call_fields(run_config).split_label, n)
-    fn = model._steps.wrap_loss(loss_fn if callable(loss_fn) else lambda out, _: out)
+    scale = builtin.scale if builtin is not None else 1.0  # BuiltinLoss("output", scale)
+    fn = model._steps.wrap_loss(loss_fn if builtin is None else lambda out, _: out * scale)
     total = None
     for out, lab in zip(per_microbatch, labels):
         loss = fn(out, lab)
@@ -70,6 +71,8 @@ def forward_backward_through_forward(model: Any, input_args: Any, input_kwargs: 
     value = total.detach().to(device="cpu", dtype=torch.float64)
     if not return_outputs:
         return value
-    detached = [flatten(v)[1].unflatten([t.detach() for t in flatten(v)[0]])
-                for v in per_microbatch]
+    detached = []
+    for v in per_microbatch:
+        tensors, spec = flatten(v)
+        detached.append(spec.unflatten([t.detach() for t in tensors]))
     return value, merge_default(detached)
