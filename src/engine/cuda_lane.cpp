@@ -6,6 +6,8 @@
 
 #ifdef RP_HAVE_CUDA
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -25,8 +27,28 @@ using Event = at::cuda::CUDAEvent;
 // (bench/RESULTS.md, round 16).
 constexpr int64_t kChunkBytes = 32 << 20;
 
+// A host thread that waits for an event of the default flags spins on a core until the event
+// completes (the CUDA runtime's schedule with fewer contexts than cores): the gradient accumulator
+// waits for downloads through most of a backward, on cores the optimizer's threads need. Events
+// made with cudaEventBlockingSync put the waiting thread to sleep. RP_EVENT_BLOCKING_SYNC=0
+// restores the spinning waits, to measure what this gives.
+unsigned event_flags(bool timing) {
+    static const bool blocking = [] {
+        const char *v = std::getenv("RP_EVENT_BLOCKING_SYNC");
+        return !(v && std::string(v) == "0");
+    }();
+    return (timing ? cudaEventDefault : cudaEventDisableTiming) |
+           (blocking ? cudaEventBlockingSync : cudaEventDefault);
+}
+
 std::shared_ptr<Event> record(const c10::cuda::CUDAStream &stream) {
-    auto e = std::make_shared<Event>(cudaEventDefault); // timing on: the record needs it
+    auto e = std::make_shared<Event>(event_flags(/*timing=*/true)); // the record needs timing
+    e->record(stream);
+    return e;
+}
+
+std::shared_ptr<Event> record_untimed(const c10::cuda::CUDAStream &stream) {
+    auto e = std::make_shared<Event>(event_flags(/*timing=*/false));
     e->record(stream);
     return e;
 }
@@ -58,8 +80,7 @@ class CudaLane final : public DeviceLane {
 
     void begin_next_call_uploads() override {
         c10::cuda::CUDAGuard guard(device_);
-        auto from = std::make_shared<Event>(cudaEventDisableTiming);
-        from->record(weights_);
+        auto from = record_untimed(weights_);
         std::lock_guard<std::mutex> lock(mutex_);
         next_call_from_ = std::move(from);
     }
@@ -81,9 +102,7 @@ class CudaLane final : public DeviceLane {
             }
             d.record_stream(compute_);
             t.tensors.push_back(d);
-            auto landed = std::make_shared<Event>(cudaEventDisableTiming);
-            landed->record(weights_);
-            t.landed.push_back(std::move(landed));
+            t.landed.push_back(record_untimed(weights_));
         }
         auto end = record(weights_);
         t.ready = end;
@@ -161,9 +180,7 @@ class CudaLane final : public DeviceLane {
     // On the calling thread's current stream: the compute stream for the worker thread; for
     // autograd's thread, the stream its backward kernels (and a hook's own) were enqueued on.
     std::shared_ptr<void> mark_compute() override {
-        auto e = std::make_shared<Event>(cudaEventDisableTiming);
-        e->record(c10::cuda::getCurrentCUDAStream(device_.index()));
-        return e;
+        return record_untimed(c10::cuda::getCurrentCUDAStream(device_.index()));
     }
 
     void wait(const Transfer &transfer) override {
@@ -195,18 +212,15 @@ class CudaLane final : public DeviceLane {
             std::lock_guard<std::mutex> lock(mutex_);
             next_call_from = next_call_from_;
         }
-        auto wait_for = [&](auto &stream_or_event) { // a stream's or an event's work done
-            if (!watch_)
-                stream_or_event.synchronize();
-            else
-                poll([&] { return stream_or_event.query(); });
-        };
         for (auto *s : {&weights_, &activations_, &compute_, &download_}) {
             // The weight stream up to the uploads for the next call: that call waits for those.
-            if (s == &weights_ && next_call_from)
-                wait_for(*next_call_from);
+            // A stream's work through an event of its own: the wait sleeps (event_flags).
+            std::shared_ptr<Event> done =
+                s == &weights_ && next_call_from ? next_call_from : record_untimed(*s);
+            if (!watch_)
+                done->synchronize();
             else
-                wait_for(*s);
+                poll([&] { return done->query(); });
         }
         std::lock_guard<std::mutex> lock(mutex_);
         std::vector<TraceSpan> spans;
