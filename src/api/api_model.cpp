@@ -6,8 +6,8 @@
 #include "api/dlpack_bridge.h"
 #include "api/handles.h"
 #include "api/model_call.h"
-#include "base/log.h"
 #include "api/trace_json.h"
+#include "base/log.h"
 #include "engine/cuda_memory.h"
 #include "layers/spec_parser.h"
 
@@ -61,8 +61,8 @@ Loss make_loss(const rp_loss *l) {
                                               " for microbatch " + std::to_string(m));
             }
             if (!grad_dl)
-                fail(ErrorKind::Callback, "loss callback returned no gradient for microbatch " +
-                                              std::to_string(m));
+                fail(ErrorKind::Callback,
+                     "loss callback returned no gradient for microbatch " + std::to_string(m));
             grad = adopt_dlpack(grad_dl, "loss callback gradient", /*allow_float64=*/true);
             return value;
         };
@@ -96,8 +96,7 @@ rp_status rp_model_create(rp_model **out_model, const char *spec_json,
 void rp_model_destroy(rp_model *model) {
     // Destruction drains the optimizer thread and joins the workers; nothing may escape.
     try {
-        if (model && model->model &&
-            (model->busy.load() || model->model->on_optimizer_thread())) {
+        if (model && model->model && (model->busy.load() || model->model->on_optimizer_thread())) {
             // Freeing the model under a running call would crash that call: leak it instead.
             log(LogLevel::Error, "rp_model_destroy: the model is in a call (on another thread, "
                                  "or this is its step callback); it was not destroyed");
@@ -250,8 +249,7 @@ rp_status rp_model_nonfinite_counts(int64_t *out_nonfinite_losses, int64_t *out_
     });
 }
 
-rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale,
-                                   int32_t growth_interval) {
+rp_status rp_model_set_grad_scaler(rp_model *model, double initial_scale, int32_t growth_interval) {
     return guard([&] {
         ModelCall hold(model);
         Model &m = hold.model();
@@ -402,8 +400,7 @@ std::vector<at::Tensor> borrow_output_grads(const Model &m, const DLManagedTenso
 
 } // namespace
 
-rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads,
-                      size_t n_grads) {
+rp_status rp_backward(rp_model *model, const DLManagedTensor *const *output_grads, size_t n_grads) {
     return guard([&] {
         ModelCall hold(model);
         Model &m = hold.model();
@@ -462,7 +459,8 @@ rp_status rp_step_callback(rp_model *model, rp_step_fn fn, void *user_data, int3
         ModelCall hold(model);
         Model &m = hold.model();
         require_arg(fn, "step callback is NULL");
-        require(!m.on_optimizer_thread(), "rp_step_callback may not be called from a step callback");
+        require(!m.on_optimizer_thread(),
+                "rp_step_callback may not be called from a step callback");
         m.step(
             // A callback updates every parameter at once: they become final when it returns.
             [model, fn, user_data](const ParamDone &, const std::vector<uint8_t> &) {

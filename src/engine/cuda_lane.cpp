@@ -7,9 +7,9 @@
 #ifdef RP_HAVE_CUDA
 #include <chrono>
 #include <cstdlib>
-#include <string>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include <ATen/cuda/CUDAEvent.h>
@@ -150,8 +150,8 @@ class CudaLane final : public DeviceLane {
             std::static_pointer_cast<Event>(transfer.ready)->block(compute_);
     }
 
-    Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job,
-                      Payload payload, std::shared_ptr<void> after) override {
+    Transfer download(const std::vector<at::Tensor> &device_tensors, size_t job, Payload payload,
+                      std::shared_ptr<void> after) override {
         auto computed = after ? std::static_pointer_cast<Event>(after) : record(compute_);
         c10::cuda::CUDAStreamGuard guard(download_);
         computed->block(download_);
@@ -230,8 +230,12 @@ class CudaLane final : public DeviceLane {
             const double shift = m.zero->elapsed_time(*zero_);
             const double host_shift =
                 std::chrono::duration<double, std::milli>(host_zero_ - m.host_zero).count();
-            TraceSpan span{m.what, m.job, m.zero->elapsed_time(*m.start) - shift,
-                           m.zero->elapsed_time(*m.end) - shift, m.bytes, m.content,
+            TraceSpan span{m.what,
+                           m.job,
+                           m.zero->elapsed_time(*m.start) - shift,
+                           m.zero->elapsed_time(*m.end) - shift,
+                           m.bytes,
+                           m.content,
                            m.enqueued - host_shift};
             span.from_last_call = true;
             spans.push_back(std::move(span));
@@ -259,7 +263,8 @@ class CudaLane final : public DeviceLane {
         const int source = h.device().index();
         auto found = peer_streams_.find(source);
         if (found == peer_streams_.end())
-            found = peer_streams_.emplace(source, c10::cuda::getStreamFromPool(false, source)).first;
+            found =
+                peer_streams_.emplace(source, c10::cuda::getStreamFromPool(false, source)).first;
         c10::cuda::CUDAStreamGuard on_source(found->second);
         at::Tensor d = h.to(device_, /*non_blocking=*/true);
         h.record_stream(found->second);
@@ -282,8 +287,8 @@ class CudaLane final : public DeviceLane {
         double enqueued;
         int64_t bytes;
         const char *content;
-        bool next_call;                 // an upload for the next call (begin_next_call_uploads)
-        std::shared_ptr<Event> zero;    // the clocks of the call that enqueued it
+        bool next_call;              // an upload for the next call (begin_next_call_uploads)
+        std::shared_ptr<Event> zero; // the clocks of the call that enqueued it
         Clock::time_point host_zero;
     };
 

@@ -15,7 +15,7 @@ namespace {
 // parameters and buffers never want one).
 struct StageWeights {
     std::vector<std::vector<at::Tensor>> per_layer;
-    std::vector<std::pair<size_t, at::Tensor>> leaves; // (param index, tensor)
+    std::vector<std::pair<size_t, at::Tensor>> leaves;  // (param index, tensor)
     std::vector<std::pair<size_t, at::Tensor>> buffers; // (param index, device tensor)
 
     // The first job of a call finds its weights still on their way: rather than wait for the
@@ -137,8 +137,8 @@ LayerContext layer_context(const CallContext &ctx, size_t layer, const Microbatc
     lc.side_inputs = &e.side_inputs;
     // Labels reach the layers only for the losses a last layer may fuse (the causal-LM head);
     // with any other loss the model must hand its plain output to that loss.
-    const bool fusable = ctx.loss && (ctx.loss->kind == LossKind::CausalLm ||
-                                      ctx.loss->kind == LossKind::Output);
+    const bool fusable =
+        ctx.loss && (ctx.loss->kind == LossKind::CausalLm || ctx.loss->kind == LossKind::Output);
     lc.labels = fusable && e.labels.defined() ? &e.labels : nullptr;
     lc.phase = phase;
     lc.microbatch = e.microbatch;
@@ -230,9 +230,11 @@ Activation detached(const Activation &xs) {
 void check_recompute_matches(const Activation &ys, const Activation &grads,
                              const std::string &where) {
     auto differs = [&](const std::string &what) {
-        fail(ErrorKind::Callback, where + ": the recompute gave outputs that differ from the "
-                                          "forward's (" + what + "); a layer's outputs must not "
-                                          "change between its forward and its recompute");
+        const std::string message =
+            where + ": the recompute gave outputs that differ from the forward's (" + what +
+            "); a layer's outputs must not change between its forward "
+            "and its recompute";
+        fail(ErrorKind::Callback, message);
     };
     if (ys.size() != grads.size())
         differs(std::to_string(ys.size()) + " outputs, the forward gave " +
@@ -546,10 +548,10 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
         try {
             x = layers[l]->forward(params, x, lc);
         } catch (const c10::Error &e) {
-            fail(ErrorKind::InvalidArgument,
-                 "layer " + std::to_string(l) + " (" + layers[l]->type() +
-                     ") cannot take an input of shape " + shape + " (batch dimension emptied) "
-                     "and dtype " + dtype + ": " + e.what_without_backtrace());
+            const std::string layer = "layer " + std::to_string(l) + " (" + layers[l]->type() + ")";
+            fail(ErrorKind::InvalidArgument, layer + " cannot take an input of shape " + shape +
+                                                 " (batch dimension emptied) and dtype " + dtype +
+                                                 ": " + e.what_without_backtrace());
         }
     }
     if (!loss)
@@ -558,10 +560,11 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
     // built-in losses need exactly one label row per input row.
     bool rowwise = loss->kind == LossKind::Mse || loss->kind == LossKind::CrossEntropy;
     if (rowwise && labels.defined() && labels.dim() > 0 && in.dim() > 0)
-        require(labels.size(0) == in.size(0),
-                "labels have " + std::to_string(labels.size(0)) + " rows in this microbatch but "
-                "input 0 has " + std::to_string(in.size(0)) +
-                    "; the label batch must match the input batch");
+        require(labels.size(0) == in.size(0), "labels have " + std::to_string(labels.size(0)) +
+                                                  " rows in this microbatch but "
+                                                  "input 0 has " +
+                                                  std::to_string(in.size(0)) +
+                                                  "; the label batch must match the input batch");
     if (loss->kind == LossKind::Mse && labels.defined() && in.dim() > 0 && x.dim() > 0) {
         // Say the shapes with the real batch size, not the emptied one.
         std::vector<int64_t> out_shape = x.sizes().vec();
