@@ -241,7 +241,7 @@ def test_default_loss_is_the_output_and_ignores_the_label():
         loss = model.forward_backward(input_args=(x,), label={"ignored": [1, "two"]})
         want = sum(ref(xm) for xm in x.tensor_split(3))
         want.backward()
-        assert float(loss) == pytest.approx(float(want), rel=RTOL)
+        assert float(loss) == pytest.approx(want.item(), rel=RTOL)
         model.synchronize()
         for p, q in zip(net.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
@@ -282,6 +282,36 @@ def test_forward_backward_back_propagates_into_its_inputs_as_pytorch():
         with pytest.raises(RoundPipeUnsupportedError, match="built-in"):
             model2.forward_backward(input_args=(torch.randn(6, 16, requires_grad=True),),
                                     label=y, loss_fn="mse")
+
+
+def test_scaled_output_loss_into_inputs_that_require_grad_as_pytorch():
+    """BuiltinLoss("output", scale) on inputs that require grad (the forward() and
+    loss.backward() path) scales the loss and every gradient as the fused call does: the loss is
+    scale times the sum of the microbatches' outputs, x.grad and the weights' gradients are
+    torch's for that loss, and the same call on a detached input (the fused path) gives the same
+    loss and weight gradients."""
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4), SquareMean())
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 8)
+    leaf, ref_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    scaled = roundpipe.BuiltinLoss("output", scale=0.25)
+    with RoundPipe(net, devices=DEVICES) as model:
+        loss = model.forward_backward(input_args=(leaf,), loss_fn=scaled)
+        want = 0.25 * sum(ref(xm) for xm in ref_leaf.tensor_split(3))
+        want.backward()
+        assert float(loss) == pytest.approx(want.item(), rel=RTOL)
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=RTOL, atol=ATOL)
+        model.synchronize()
+        chained = [p.grad.clone() for p in net.parameters()]
+        for p, q in zip(chained, ref.parameters()):
+            torch.testing.assert_close(p, q.grad, rtol=RTOL, atol=ATOL)
+        model.zero_grad()
+        fused = model.forward_backward(input_args=(x,), loss_fn=scaled)
+        assert float(fused) == pytest.approx(float(loss), rel=RTOL)
+        model.synchronize()
+        for p, q in zip(net.parameters(), chained):
+            torch.testing.assert_close(p.grad, q, rtol=RTOL, atol=ATOL)
 
 
 def test_packed_outputs_chain_through_forward():
