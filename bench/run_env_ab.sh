@@ -16,8 +16,12 @@
 # warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
 # seconds (default 520, for a device call's 600) is skipped. Prints one line per variant (tokens/s,
 # iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call,
-# the plan used);
+# when its first compute started, the plan used);
 # every run's output in $OUT/env-ab.tgz.
+#
+# Without two GPUs, `AB_GPUS=1` with `--seq 2048` in AB_ARGS is a stand-in for the two-GPU
+# Qwen3-8B call: half the compute, the same optimizer work, so the optimizer sets the pace as it
+# does on two GPUs (bench/RESULTS.md, round 24).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/rp-env-ab}
@@ -47,16 +51,20 @@ import glob, json, sys
 d, name = sys.argv[1], sys.argv[2]
 for line in open(f"{d}/scaling.jsonl"):
     r = json.loads(line)
-    opt = "-"
+    opt = first = "-"
     for t in glob.glob(f"{d}/trace_*.json"):
         if t.endswith(".summary.json"):  # trace_summary.py's digest beside the trace
             continue
         ev = json.load(open(t))
         ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-        opt = round(sum(e["dur"] for e in ev if e.get("ph") == "X" and e.get("tid") == "optimizer") / 1e3)
+        spans = [e for e in ev if e.get("ph") == "X"]
+        opt = round(sum(e["dur"] for e in spans if e.get("tid") == "optimizer") / 1e3)
+        # When the devices start computing (the previous step's first stages updated and up).
+        first = round((min(e["ts"] for e in spans if e.get("tid") == "compute") -
+                       min(e["ts"] for e in spans)) / 1e3, 1)
     peak = round(r.get("peak_gpu_bytes", 0) / 2**30, 1)
     print(f"{name:10} {r.get('tokens_per_s')} tok/s  iter {r.get('iter_ms')}  fb alone {r.get('fb_only_ms')}  "
-          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms  plan {r.get('pcie_plan')}")
+          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms  first compute {first} ms  plan {r.get('pcie_plan')}")
 PY
   echo "  ($((SECONDS - start)) s)"
 done
