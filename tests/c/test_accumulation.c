@@ -63,15 +63,7 @@ static double fb_rows(rp_model *model, int r0, int rows, int nmb, int grain) {
 }
 
 static double ref_fb_rows(ref_model *ref, int r0, int rows, int nmb, int64_t call) {
-    int64_t xs[2] = {rows, IN}, ys[2] = {rows, OUT};
-    ref_tensor x = {X + r0 * IN, 0, 2, xs}, y = {Y + r0 * OUT, 0, 2, ys};
-    ref_fb_args a = {x, &y, nmb, 0, 0, call, REF_LOSS_MSE, 1.0};
-    double l = 0.0;
-    if (ref_forward_backward(ref, &l, NULL, 0, NULL, &a) != 0) {
-        print_error("reference: %s\n", ref_last_error());
-        fail();
-    }
-    return l;
+    return ts_ref_mse_call(ref, X + r0 * IN, Y + r0 * OUT, rows, IN, OUT, nmb, call);
 }
 
 static void assert_loss(double got, double want, double tol) {
@@ -79,13 +71,6 @@ static void assert_loss(double got, double want, double tol) {
         print_error("loss %.10g, expected %.10g\n", got, want);
         fail();
     }
-}
-
-static rp_optimizer *adamw(void) {
-    rp_optimizer *opt = NULL;
-    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_optimizer_set_learning_rate(opt, 1e-2));
-    return opt;
 }
 
 static void two_calls_before_a_step_equal_one_call_on_the_concatenated_batch(void **state) {
@@ -112,7 +97,7 @@ static void two_calls_before_a_step_equal_one_call_on_the_concatenated_batch(voi
     ts_params_free(gb);
     ts_params_free(gr);
 
-    rp_optimizer *opt = adamw();
+    rp_optimizer *opt = ts_adamw(1e-2);
     TS_OK(rp_step(a, opt, 0));
     TS_OK(rp_step(b, opt, 0));
     assert_int_equal(ref_step_adamw(ref, 1e-2, 0.9, 0.999, 1e-8, 1e-2), 0);
@@ -147,7 +132,7 @@ static void accumulation_feeds_an_async_step(void **state) {
     fb_rows(a, 6, 4, 2, 0);
     ref_fb_rows(ref, 0, 6, 2, 0);
     ref_fb_rows(ref, 6, 4, 2, 1);
-    rp_optimizer *opt = adamw();
+    rp_optimizer *opt = ts_adamw(1e-2);
     TS_OK(rp_step(a, opt, 1));
     assert_int_equal(ref_step_adamw(ref, 1e-2, 0.9, 0.999, 1e-8, 1e-2), 0);
     TS_OK(rp_synchronize(a));

@@ -20,18 +20,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *SPEC = "{\"layers\": ["
-                          "{\"type\": \"linear\", \"in\": 5, \"out\": 9},"
-                          "{\"type\": \"layer_norm\", \"dim\": 9},"
-                          "{\"type\": \"residual_mlp\", \"dim\": 9, \"hidden\": 13},"
-                          "{\"type\": \"linear\", \"in\": 9, \"out\": 2, \"bias\": false}]}";
-
-static const char *QWEN3 =
-    "{\"architectures\": [\"Qwen3ForCausalLM\"], \"vocab_size\": 40, \"hidden_size\": 32,"
-    " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
-    " \"num_key_value_heads\": 2, \"head_dim\": 8, \"tie_word_embeddings\": false,"
-    " \"dtype\": \"float32\"}";
-
 #define GIB8 8589934592ull /* 2^31 fp32 elements */
 
 typedef struct fixture {
@@ -199,13 +187,13 @@ static void uncap_data(int capped, const struct rlimit *saved) {
 static int setup(void **state) {
     static fixture f;
     f.dir = ts_tempdir();
-    f.model = ts_model(SPEC, 11, 1, NULL, 0);
+    f.model = ts_model(TS_DISK_SPEC, 11, 1, NULL, 0);
     f.w0 = ts_masters(f.model);
     rp_model_options *o = NULL;
     TS_OK(rp_model_options_create(&o));
     TS_OK(rp_model_options_set_seed(o, 3));
     TS_OK(rp_model_options_set_devices(o, ts_device_kind(), 1));
-    TS_OK(rp_model_create_from_hf_config(&f.hf, QWEN3, o));
+    TS_OK(rp_model_create_from_hf_config(&f.hf, TS_QWEN3_CONFIG, o));
     rp_model_options_destroy(o);
     f.hf0 = ts_masters(f.hf);
     *state = &f;
@@ -261,7 +249,7 @@ static void assert_unchanged(const fixture *f) {
  * model's own: the load succeeds, reads a few kilobytes and allocates nothing large. */
 static void unused_8_gib_tensor_of_a_sparse_file_is_never_read(void **state) {
     fixture *f = *state;
-    rp_model *src = ts_model(SPEC, 12, 1, NULL, 0);
+    rp_model *src = ts_model(TS_DISK_SPEC, 12, 1, NULL, 0);
     ts_params *w = ts_masters(src);
     item items[16];
     items[0] = huge_item("unused.huge");
@@ -312,7 +300,7 @@ static void unused_8_gib_tensor_of_a_hugging_face_checkpoint_is_never_read(void 
     assert_int_equal(mkdir(dir, 0700), 0);
     char path[4200];
     snprintf(path, sizeof path, "%s/config.json", dir);
-    write_text(path, QWEN3);
+    write_text(path, TS_QWEN3_CONFIG);
     item items[64];
     items[0] = huge_item("model.unused.huge");
     size_t n = 1 + model_items(items + 1, f->hf, f->hf0, 1);
@@ -441,7 +429,7 @@ static void json_numbers_out_of_range_are_io_errors(void **state) {
     assert_int_equal(mkdir(dir, 0700), 0);
     char p[4200];
     snprintf(p, sizeof p, "%s/config.json", dir);
-    write_text(p, QWEN3);
+    write_text(p, TS_QWEN3_CONFIG);
     item items[64];
     size_t n = model_items(items, f->hf, f->hf0, 1);
     snprintf(p, sizeof p, "%s/a.safetensors", dir);
@@ -496,7 +484,7 @@ static void loading_a_directory_or_a_device_is_an_io_error_saying_so(void **stat
 static void model_trains_after_every_refusal(void **state) {
     fixture *f = *state;
     assert_unchanged(f);
-    ts_assert_trains_like_reference(f->model, SPEC, 5, 2);
+    ts_assert_trains_like_reference(f->model, TS_DISK_SPEC, 5, 2);
 }
 
 int main(void) {

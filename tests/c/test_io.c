@@ -16,12 +16,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *SPEC = "{\"layers\": ["
-                          "{\"type\": \"linear\", \"in\": 5, \"out\": 9},"
-                          "{\"type\": \"layer_norm\", \"dim\": 9},"
-                          "{\"type\": \"residual_mlp\", \"dim\": 9, \"hidden\": 13},"
-                          "{\"type\": \"linear\", \"in\": 9, \"out\": 2, \"bias\": false}]}";
-
 typedef struct fixture {
     char *dir;
     char path[4096];
@@ -78,10 +72,10 @@ static int params_differ(const ts_params *a, const ts_params *b) {
 
 static void save_then_load_into_a_model_with_another_seed_restores_weights_exactly(void **state) {
     fixture *f = *state;
-    rp_model *a = ts_model(SPEC, 1, 2, NULL, 0);
+    rp_model *a = ts_model(TS_DISK_SPEC, 1, 2, NULL, 0);
     train_one_step(a, 0);
     TS_OK(rp_model_save(a, f->path));
-    rp_model *b = ts_model(SPEC, 2, 1, NULL, 0);
+    rp_model *b = ts_model(TS_DISK_SPEC, 2, 1, NULL, 0);
     ts_params *wa = ts_masters(a), *wb = ts_masters(b);
     assert_true(params_differ(wa, wb)); /* another seed, other weights */
     ts_params_free(wb);
@@ -89,7 +83,7 @@ static void save_then_load_into_a_model_with_another_seed_restores_weights_exact
     wb = ts_masters(b);
     ts_assert_params_equal(wb, wa);
     /* The loaded weights are the ones in use, not only the master copy. */
-    ref_model *ref = ts_reference_from(a, SPEC, 1);
+    ref_model *ref = ts_reference_from(a, TS_DISK_SPEC, 1);
     float x[6 * 5], got[6 * 2], want[6 * 2];
     ts_fill_uniform(x, 30, 9, -1.f, 1.f);
     int64_t xs[2] = {6, 5};
@@ -118,7 +112,7 @@ static void save_then_load_into_a_model_with_another_seed_restores_weights_exact
 
 static void saved_file_is_safetensors_with_parameter_names_shapes_and_f32_values(void **state) {
     fixture *f = *state;
-    rp_model *a = ts_model(SPEC, 3, 1, NULL, 0);
+    rp_model *a = ts_model(TS_DISK_SPEC, 3, 1, NULL, 0);
     train_one_step(a, 1); /* async: save must synchronize first and write the latest weights */
     TS_OK(rp_model_save(a, f->path));
     ts_params *w = ts_masters(a);
@@ -152,7 +146,7 @@ static void saved_file_is_safetensors_with_parameter_names_shapes_and_f32_values
 static void load_converts_f64_f16_and_bf16_files(void **state) {
     fixture *f = *state;
     static const char *DTYPES[] = {"F64", "F16", "BF16", "F32"};
-    rp_model *a = ts_model(SPEC, 4, 1, NULL, 0);
+    rp_model *a = ts_model(TS_DISK_SPEC, 4, 1, NULL, 0);
     ts_params *w = ts_masters(a);
     for (size_t k = 0; k < 4; ++k) {
         ref_st_entry *e = calloc(w->count, sizeof *e);
@@ -187,13 +181,13 @@ static void load_converts_f64_f16_and_bf16_files(void **state) {
  * after the load equals the reference's second step from the loaded weights. */
 static void load_drops_gradients_and_keeps_optimizer_state(void **state) {
     fixture *f = *state;
-    rp_model *src = ts_model(SPEC, 5, 1, NULL, 0);
+    rp_model *src = ts_model(TS_DISK_SPEC, 5, 1, NULL, 0);
     TS_OK(rp_model_save(src, f->path));
     ts_params *loaded = ts_masters(src);
     rp_model_destroy(src);
 
-    rp_model *a = ts_model(SPEC, 6, 2, NULL, 0);
-    ref_model *ref = ts_reference_from(a, SPEC, 6);
+    rp_model *a = ts_model(TS_DISK_SPEC, 6, 2, NULL, 0);
+    ref_model *ref = ts_reference_from(a, TS_DISK_SPEC, 6);
     float x[8 * 5], y[8 * 2];
     ts_fill_uniform(x, 40, 1, -1.f, 1.f);
     ts_fill_uniform(y, 16, 2, -1.f, 1.f);
@@ -256,12 +250,12 @@ static char *read_file(const char *path, size_t *size) {
 
 static void save_to_a_missing_folder_is_an_io_error_naming_the_path(void **state) {
     fixture *f = *state;
-    rp_model *a = ts_model(SPEC, 7, 1, NULL, 0);
+    rp_model *a = ts_model(TS_DISK_SPEC, 7, 1, NULL, 0);
     char path[4200];
     snprintf(path, sizeof path, "%s/no/such/dir/m.safetensors", f->dir);
     TS_ERR(rp_model_save(a, path), RP_ERR_IO, "no/such/dir");
     assert_int_equal(ts_dir_entries(f->dir), 0);
-    ts_assert_trains_like_reference(a, SPEC, 5, 2);
+    ts_assert_trains_like_reference(a, TS_DISK_SPEC, 5, 2);
     rp_model_destroy(a);
 }
 
@@ -269,7 +263,7 @@ static void save_to_a_missing_folder_is_an_io_error_naming_the_path(void **state
  * as it was and no temporary file behind. */
 static void failed_save_leaves_the_old_file_intact_and_no_temporary(void **state) {
     fixture *f = *state;
-    rp_model *a = ts_model(SPEC, 8, 1, NULL, 0);
+    rp_model *a = ts_model(TS_DISK_SPEC, 8, 1, NULL, 0);
     TS_OK(rp_model_save(a, f->path));
     size_t old_size = 0;
     char *old = read_file(f->path, &old_size);

@@ -27,33 +27,22 @@
 
 #include <stdio.h>
 
-enum { ROWS = 12, IN = 6, OUT = 3 };
+enum { ROWS = 12, IN = 6, OUT = 3 }; /* IN and OUT: TS_MLP_SPEC's widths */
 
-static const char *SPEC =
-    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
-
-/* Four stages (jobs) per call, so the gradients land in parts; `defs`: the caller layers of a
- * spec with one more layer, in the first stage. */
-static rp_model *bf16_model(const char *spec, const rp_layer_def *const *defs, size_t n_defs) {
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_seed(o, 23));
+/* The model's seed and dtype, with or without the tripwire. */
+static rp_model_options *bf16_options(void) {
+    rp_model_options *o = ts_options(23, 3);
     TS_OK(rp_model_options_set_model_dtype(o, RP_DTYPE_BF16));
-    const int32_t plan[4] = {n_defs ? 3 : 2, 2, 2, 1};
+    return o;
+}
+
+/* Four stages (jobs) per call, so the gradients land in parts: ts_tripwire_model's stages
+ * without the tripwire. */
+static rp_model *bf16_model(void) {
+    rp_model_options *o = bf16_options();
+    const int32_t plan[4] = {2, 2, 2, 1};
     TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
-    rp_model *m = NULL;
-    if (n_defs) {
-        TS_OK(rp_model_options_set_devices(o, RP_DEVICE_CPU, 3));
-        TS_OK(rp_model_create_with_layers(&m, spec, defs, n_defs, o));
-    } else {
-        TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(3)));
-        TS_OK(rp_model_create(&m, spec, o));
-    }
-    rp_model_options_destroy(o);
-    return m;
+    return ts_model_with_options(TS_MLP_SPEC, o);
 }
 
 static rp_status train_call(rp_model *m, int k) {
@@ -75,9 +64,7 @@ static rp_status train_call(rp_model *m, int k) {
 }
 
 static rp_optimizer *adamw(void) {
-    rp_optimizer *opt = NULL;
-    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_optimizer_set_learning_rate(opt, 1e-2));
+    rp_optimizer *opt = ts_adamw(1e-2);
     TS_OK(rp_optimizer_set_weight_decay(opt, 0.1));
     return opt;
 }
@@ -96,7 +83,7 @@ static void widen_gradients(rp_model *m) {
 /* Four steps; before the third, a second call accumulates onto the first. `widen`: read the
  * gradients before each step (the buffer path). */
 static ts_params *train(int widen, int async) {
-    rp_model *m = bf16_model(SPEC, NULL, 0);
+    rp_model *m = bf16_model();
     rp_optimizer *opt = adamw();
     for (int t = 0; t < 4; ++t) {
         TS_OK(train_call(m, t));
@@ -114,7 +101,7 @@ static ts_params *train(int widen, int async) {
 
 static void steps_read_lent_gradients_as_the_buffer_path_does(void **state) {
     (void)state;
-    rp_model *fresh = bf16_model(SPEC, NULL, 0);
+    rp_model *fresh = bf16_model();
     ts_params *initial = ts_masters(fresh);
     rp_model_destroy(fresh);
     for (int async = 0; async < 2; ++async) {
@@ -152,7 +139,7 @@ static void step_both_and_compare(rp_model *a, rp_model *b, int k) {
 
 static void zero_grad_drops_lent_gradients(void **state) {
     (void)state;
-    rp_model *a = bf16_model(SPEC, NULL, 0), *b = bf16_model(SPEC, NULL, 0);
+    rp_model *a = bf16_model(), *b = bf16_model();
     TS_OK(train_call(a, 1));
     TS_OK(rp_zero_grad(a));
     assert_gradients_zero(a); /* a lent gradient kept would be widened here */
@@ -166,10 +153,7 @@ static void zero_grad_drops_lent_gradients(void **state) {
 /* The tripwire (test_support.h) in the first stage fails the call's last backward microbatch,
  * after every deeper stage has delivered (lent) its gradients. */
 static rp_model *tripwire_model(int *fail_flag) {
-    rp_layer_def *def = ts_tripwire_def(fail_flag);
-    rp_model *m = bf16_model(TS_TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1);
-    rp_layer_def_destroy(def);
-    return m;
+    return ts_tripwire_model(fail_flag, bf16_options());
 }
 
 static void a_failed_call_gives_back_what_it_lent(void **state) {
@@ -209,18 +193,12 @@ static const char *TIED =
  * and the rows add into it; a power of two scales every rounding of the backward exactly, so the
  * contributions are the same numbers. */
 static rp_model *tied_model(double loss_scale) {
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_seed(o, 31));
+    rp_model_options *o = ts_options(31, 2);
     TS_OK(rp_model_options_set_model_dtype(o, RP_DTYPE_BF16));
     TS_OK(rp_model_options_set_grad_scaler(o, loss_scale, 1000000));
     const int32_t plan[2] = {2, 3};
     TS_OK(rp_model_options_set_stage_plan(o, plan, 2));
-    TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(2)));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create_from_hf_config(&m, TIED, o));
-    rp_model_options_destroy(o);
-    return m;
+    return ts_hf_model_with_options(TIED, o);
 }
 
 static void tied_call(rp_model *m, int k, tied_ids kind) {

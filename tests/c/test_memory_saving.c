@@ -27,20 +27,14 @@ static const char *SPEC =
 static const int64_t NUM_PARAMS = 288 + 1056 + 132;
 
 static rp_model *make_model(int32_t mode, int32_t dtype, int32_t devices, uint64_t seed) {
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_seed(o, seed));
-    TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(devices)));
+    rp_model_options *o = ts_options(seed, devices);
     TS_OK(rp_model_options_set_model_dtype(o, dtype));
     TS_OK(rp_model_options_set_host_memory_mode(o, mode));
     /* Page-locked in place, as for the largest models (ignored on CPU devices). On a GPU the
      * first model of this process is one of these: creation must not depend on an earlier
      * pinned allocation having initialised CUDA. */
     TS_OK(rp_model_options_set_pin_mode(o, RP_PIN_REGISTER));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create(&m, SPEC, o));
-    rp_model_options_destroy(o);
-    return m;
+    return ts_model_with_options(SPEC, o);
 }
 
 /* A fixed regression task: inputs uniform, targets from a fixed teacher plus noise, so the
@@ -79,13 +73,6 @@ static double train_call(rp_model *m, const task *t, const rp_loss *loss,
     return l;
 }
 
-static rp_optimizer *adamw(double lr) {
-    rp_optimizer *opt = NULL;
-    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_optimizer_set_learning_rate(opt, lr));
-    return opt;
-}
-
 /* Layout by hand (docs/semantics.md): standard = master 4 + two weight copies (2 x model dtype)
  * + two fp32 gradient buffers 8 + AdamW moments 8; saving = master 4 + one weight copy (none for
  * fp32) + one gradient buffer (bf16 for 16-bit models) + bf16 moments 4 = 12. */
@@ -102,7 +89,7 @@ static void state_bytes_match_the_layout(void **state) {
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(2, 0);
-    rp_optimizer *opt = adamw(1e-3);
+    rp_optimizer *opt = ts_adamw(1e-3);
     task t;
     task_init(&t, 0);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
@@ -135,23 +122,28 @@ static void bad_mode_is_rejected(void **state) {
     rp_model_options_destroy(o);
 }
 
-/* After step `it` (0-based) of a bf16-state optimizer: the first step computes from fp32 state
- * (1e-5 relative, fp32 roundoff); later ones read state rounded to bf16, bounded by 1e-3
- * absolute (derived in each test's comment). */
-static void assert_weights_follow_reference(rp_model *m, const ref_model *ref, int it) {
-    ts_params *w = ts_masters(m), *rw = ts_ref_params(ref, 0);
-    double worst = 0.0;
-    for (size_t p = 0; p < w->count; ++p)
-        for (int64_t i = 0; i < w->numel[p]; ++i)
-            worst = fmax(worst, fabs((double)w->data[p][i] - rw->data[p][i]));
-    if (it == 0)
-        ts_assert_params_close(w, rw, 1e-5, "weights after the first step");
-    else if (!(worst <= 1e-3)) {
-        print_error("step %d: largest weight difference %.3g > 1e-3\n", it + 1, worst);
-        fail();
-    }
-    ts_params_free(w);
-    ts_params_free(rw);
+/* A saving-mode fp32 model on 2 devices, the reference holding its weights, and the MSE loss and
+ * 2-microbatch configuration of the calls compared with the reference's. */
+typedef struct vs_reference {
+    rp_model *m;
+    ref_model *ref;
+    rp_loss *loss;
+    rp_run_config *cfg;
+} vs_reference;
+
+static void vs_reference_init(vs_reference *v, uint64_t seed) {
+    v->m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 2, seed);
+    v->ref = ts_reference_from(v->m, SPEC, seed);
+    v->loss = NULL;
+    TS_OK(rp_loss_create(&v->loss, RP_LOSS_MSE));
+    v->cfg = ts_config(2, 0);
+}
+
+static void vs_reference_free(vs_reference *v) {
+    rp_run_config_destroy(v->cfg);
+    rp_loss_destroy(v->loss);
+    ref_destroy(v->ref);
+    rp_model_destroy(v->m);
 }
 
 /* fp32 model, three AdamW steps against torch::optim::AdamW. Step 1 uses the fp32 moments it
@@ -163,36 +155,24 @@ static void assert_weights_follow_reference(rp_model *m, const ref_model *ref, i
 static void adamw_follows_the_reference_within_bf16_moments(void **state) {
     (void)state;
     const double lr = 1e-2;
-    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 2, 9);
-    ref_model *ref = ts_reference_from(m, SPEC, 9);
-    rp_loss *loss = NULL;
-    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_run_config *cfg = ts_config(2, 0);
-    rp_optimizer *opt = adamw(lr);
-    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+    vs_reference v;
+    vs_reference_init(&v, 9);
+    rp_optimizer *opt = ts_adamw(lr);
     for (int it = 0; it < 3; ++it) {
         task t;
         task_init(&t, it);
-        double got = train_call(m, &t, loss, cfg), want = 0.0;
-        ref_tensor rin = {t.x, 0, 2, xs}, rlab = {t.y, 0, 2, ys};
-        ref_fb_args a = {rin, &rlab, 2, 0, 0, it, REF_LOSS_MSE, 1.0};
-        assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
+        double got = train_call(v.m, &t, v.loss, v.cfg);
+        double want = ts_ref_mse_call(v.ref, t.x, t.y, ROWS, IN, OUT, 2, it);
         /* Losses before the first step share the weights (fp32 roundoff); later ones see the
          * weight differences bounded below (1e-3 absolute on O(0.3) weights). */
-        if (!(fabs(got - want) <= (it < 2 ? 1e-5 : 1e-2) * fabs(want))) {
-            print_error("iteration %d: loss %.9g, reference %.9g\n", it, got, want);
-            fail();
-        }
-        TS_OK(rp_step(m, opt, 0));
-        assert_int_equal(ref_step_adamw(ref, lr, 0.9, 0.999, 1e-8, 1e-2), 0);
-        assert_weights_follow_reference(m, ref, it);
+        ts_assert_loss_close(got, want, it < 2 ? 1e-5 : 1e-2, it);
+        TS_OK(rp_step(v.m, opt, 0));
+        assert_int_equal(ref_step_adamw(v.ref, lr, 0.9, 0.999, 1e-8, 1e-2), 0);
+        ts_assert_masters_follow_bf16_state(v.m, v.ref, it, "weights after the first step");
         task_free(&t);
     }
     rp_optimizer_destroy(opt);
-    rp_run_config_destroy(cfg);
-    rp_loss_destroy(loss);
-    ref_destroy(ref);
-    rp_model_destroy(m);
+    vs_reference_free(&v);
 }
 
 /* SGD with momentum 0.9 and a bf16 momentum buffer against torch::optim::SGD (fp32 model). The
@@ -203,35 +183,25 @@ static void adamw_follows_the_reference_within_bf16_moments(void **state) {
 static void sgd_momentum_follows_the_reference_within_bf16_buffer(void **state) {
     (void)state;
     const double lr = 0.05, momentum = 0.9;
-    rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 2, 13);
-    ref_model *ref = ts_reference_from(m, SPEC, 13);
-    rp_loss *loss = NULL;
-    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_run_config *cfg = ts_config(2, 0);
+    vs_reference v;
+    vs_reference_init(&v, 13);
     rp_optimizer *opt = NULL;
     TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_SGD));
     TS_OK(rp_optimizer_set_learning_rate(opt, lr));
     TS_OK(rp_optimizer_set_momentum(opt, momentum));
     TS_OK(rp_optimizer_set_weight_decay(opt, 0.0));
-    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
     for (int it = 0; it < 3; ++it) {
         task t;
         task_init(&t, 10 + it);
-        train_call(m, &t, loss, cfg);
-        ref_tensor rin = {t.x, 0, 2, xs}, rlab = {t.y, 0, 2, ys};
-        ref_fb_args a = {rin, &rlab, 2, 0, 0, it, REF_LOSS_MSE, 1.0};
-        double want = 0.0;
-        assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
-        TS_OK(rp_step(m, opt, 0));
-        assert_int_equal(ref_step_sgd(ref, lr, momentum, 0.0), 0);
-        assert_weights_follow_reference(m, ref, it);
+        train_call(v.m, &t, v.loss, v.cfg);
+        ts_ref_mse_call(v.ref, t.x, t.y, ROWS, IN, OUT, 2, it);
+        TS_OK(rp_step(v.m, opt, 0));
+        assert_int_equal(ref_step_sgd(v.ref, lr, momentum, 0.0), 0);
+        ts_assert_masters_follow_bf16_state(v.m, v.ref, it, "weights after the first step");
         task_free(&t);
     }
     rp_optimizer_destroy(opt);
-    rp_run_config_destroy(cfg);
-    rp_loss_destroy(loss);
-    ref_destroy(ref);
-    rp_model_destroy(m);
+    vs_reference_free(&v);
 }
 
 /* The issue's criterion: 200 AdamW steps (lr 3e-3, 4 batches in turn), saving mode against the
@@ -263,7 +233,7 @@ static void loss_curve_stays_within_one_percent_over_200_steps(void **state) {
     for (int d = 0; d < 2; ++d) {
         rp_model *std_model = make_model(RP_HOST_MEMORY_STANDARD, dtypes[d], 2, 21);
         rp_model *saving = make_model(RP_HOST_MEMORY_SAVING, dtypes[d], 2, 21);
-        rp_optimizer *opt = adamw(3e-3);
+        rp_optimizer *opt = ts_adamw(3e-3);
         double a[STEPS], b[STEPS];
         for (int step = 0; step < STEPS; ++step) {
             const task *t = &batches[step % 4];
@@ -309,7 +279,7 @@ static ts_params *train_six(int32_t mode, int is_async) {
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(3, 0);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     task t;
     task_init(&t, 7);
     for (int it = 0; it < 6; ++it) {
@@ -372,14 +342,10 @@ static void failing_step_callback_leaves_the_model_usable(void **state) {
      * torch::optim::AdamW from the same weights. */
     TS_OK(rp_zero_grad(m));
     ref_model *ref = ts_reference_from(m, SPEC, 41);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     train_call(m, &t, loss, cfg);
     TS_OK(rp_step(m, opt, 1));
-    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
-    ref_tensor rin = {t.x, 0, 2, xs}, rlab = {t.y, 0, 2, ys};
-    ref_fb_args a = {rin, &rlab, 2, 0, 0, 0, REF_LOSS_MSE, 1.0};
-    double want = 0.0;
-    assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
+    ts_ref_mse_call(ref, t.x, t.y, ROWS, IN, OUT, 2, 0);
     assert_int_equal(ref_step_adamw(ref, 1e-2, 0.9, 0.999, 1e-8, 1e-2), 0);
     ts_assert_masters_match(m, ref, 1e-5, "weights after the failed step and one AdamW step");
     rp_optimizer_destroy(opt);

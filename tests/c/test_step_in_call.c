@@ -22,28 +22,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ROWS = 12, IN = 6, OUT = 3 };
+enum { ROWS = 12, IN = 6, OUT = 3 }; /* IN and OUT: TS_MLP_SPEC's widths */
 
-static const char *SPEC =
-    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
-    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
-
-static rp_model *make_model(int32_t mode, int32_t dtype, uint64_t seed) {
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_seed(o, seed));
-    TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(3)));
+/* A model of `spec` in host memory `mode` with `dtype`, its `n_stages` stages as `plan` says. */
+static rp_model *staged_model(const char *spec, int32_t mode, int32_t dtype, uint64_t seed,
+                              int32_t devices, const int32_t *plan, size_t n_stages) {
+    rp_model_options *o = ts_options(seed, devices);
     TS_OK(rp_model_options_set_model_dtype(o, dtype));
     TS_OK(rp_model_options_set_host_memory_mode(o, mode));
+    TS_OK(rp_model_options_set_stage_plan(o, plan, n_stages));
+    return ts_model_with_options(spec, o);
+}
+
+static rp_model *make_model(int32_t mode, int32_t dtype, uint64_t seed) {
     /* Four stages, so the step arrives in several parts while the call goes on. */
-    const int32_t plan[4] = {2, 2, 2, 1};
-    TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create(&m, SPEC, o));
-    rp_model_options_destroy(o);
-    return m;
+    static const int32_t plan[4] = {2, 2, 2, 1};
+    return staged_model(TS_MLP_SPEC, mode, dtype, seed, 3, plan, 4);
 }
 
 typedef struct batch {
@@ -70,13 +64,6 @@ static rp_status train_call(double *out_loss, rp_model *m, const batch *b, const
     return rp_forward_backward(out_loss, NULL, m, inputs, 1, b->lab, loss, cfg);
 }
 
-static rp_optimizer *adamw(double lr) {
-    rp_optimizer *opt = NULL;
-    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_optimizer_set_learning_rate(opt, lr));
-    return opt;
-}
-
 /* The master weights once `m`'s steps are done; frees what the training used. */
 static ts_params *masters_after_training(rp_model *m, rp_optimizer *opt, rp_run_config *cfg,
                                          rp_loss *loss) {
@@ -96,7 +83,7 @@ static ts_params *train_five(int in_call, int32_t dtype, int32_t grain, int32_t 
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(microbatches, grain);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     if (in_call)
         TS_OK(rp_model_set_step_in_call(m, opt));
     for (int it = 0; it < 5; ++it) {
@@ -148,43 +135,25 @@ static void in_call_steps_follow_torch_adamw_within_bf16_moments(void **state) {
     (void)state;
     const double lr = 1e-2;
     rp_model *m = make_model(RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 23);
-    ref_model *ref = ts_reference_from(m, SPEC, 23);
+    ref_model *ref = ts_reference_from(m, TS_MLP_SPEC, 23);
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(2, 0);
-    rp_optimizer *opt = adamw(lr);
+    rp_optimizer *opt = ts_adamw(lr);
     TS_OK(rp_model_set_step_in_call(m, opt));
     int32_t on = 0;
     TS_OK(rp_model_step_in_call(&on, m));
     assert_int_equal(on, 1);
-    int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
     for (int it = 0; it < 3; ++it) {
         batch b;
         batch_init(&b, it);
-        double got = 0.0, want = 0.0;
+        double got = 0.0;
         TS_OK(train_call(&got, m, &b, loss, cfg));
-        ref_tensor rin = {b.x, 0, 2, xs}, rlab = {b.y, 0, 2, ys};
-        ref_fb_args a = {rin, &rlab, 2, 0, 0, it, REF_LOSS_MSE, 1.0};
-        assert_int_equal(ref_forward_backward(ref, &want, NULL, 0, NULL, &a), 0);
-        if (!(fabs(got - want) <= (it < 2 ? 1e-5 : 1e-2) * fabs(want))) {
-            print_error("iteration %d: loss %.9g, reference %.9g\n", it, got, want);
-            fail();
-        }
+        double want = ts_ref_mse_call(ref, b.x, b.y, ROWS, IN, OUT, 2, it);
+        ts_assert_loss_close(got, want, it < 2 ? 1e-5 : 1e-2, it);
         assert_int_equal(ref_step_adamw(ref, lr, 0.9, 0.999, 1e-8, 1e-2), 0);
         TS_OK(rp_synchronize(m));
-        ts_params *w = ts_masters(m), *rw = ts_ref_params(ref, 0);
-        double worst = 0.0;
-        for (size_t p = 0; p < w->count; ++p)
-            for (int64_t i = 0; i < w->numel[p]; ++i)
-                worst = fmax(worst, fabs((double)w->data[p][i] - rw->data[p][i]));
-        if (it == 0)
-            ts_assert_params_close(w, rw, 1e-5, "weights after the first in-call step");
-        else if (!(worst <= 1e-3)) {
-            print_error("step %d: largest weight difference %.3g > 1e-3\n", it + 1, worst);
-            fail();
-        }
-        ts_params_free(w);
-        ts_params_free(rw);
+        ts_assert_masters_follow_bf16_state(m, ref, it, "weights after the first in-call step");
         batch_free(&b);
     }
     rp_optimizer_destroy(opt);
@@ -196,7 +165,7 @@ static void in_call_steps_follow_torch_adamw_within_bf16_moments(void **state) {
 
 static void what_cannot_hold_is_refused_with_nothing_changed(void **state) {
     (void)state;
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(2, 0);
@@ -285,7 +254,7 @@ static void a_nan_loss_leaves_the_weights_alone(void **state) {
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(2, 0);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     TS_OK(rp_model_set_step_in_call(m, opt));
     ts_params *before = ts_masters(m);
     batch b;
@@ -334,7 +303,7 @@ static void a_call_failing_before_any_final_gradient_leaves_no_trace(void **stat
     TS_OK(rp_loss_create_callback(&bad, failing_loss, NULL));
     TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(2, 0);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     TS_OK(rp_model_set_step_in_call(m, opt));
     batch b;
     batch_init(&b, 2);
@@ -361,20 +330,9 @@ static void a_call_failing_before_any_final_gradient_leaves_no_trace(void **stat
 /* ---- a call failing in a backward stage, after the deeper stages were updated ---------------- */
 
 static rp_model *tripwire_model(int *fail_flag) {
-    rp_layer_def *def = ts_tripwire_def(fail_flag);
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_seed(o, 37));
-    TS_OK(rp_model_options_set_devices(o, RP_DEVICE_CPU, 3));
+    rp_model_options *o = ts_options(37, 3);
     TS_OK(rp_model_options_set_host_memory_mode(o, RP_HOST_MEMORY_SAVING));
-    const int32_t plan[4] = {3, 2, 2, 1};
-    TS_OK(rp_model_options_set_stage_plan(o, plan, 4));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create_with_layers(&m, TS_TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1,
-                                      o));
-    rp_model_options_destroy(o);
-    rp_layer_def_destroy(def);
-    return m;
+    return ts_tripwire_model(fail_flag, o);
 }
 
 static void a_call_failing_in_a_backward_stage_keeps_the_final_updates_only(void **state) {
@@ -386,7 +344,7 @@ static void a_call_failing_in_a_backward_stage_keeps_the_final_updates_only(void
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(2, 0);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     TS_OK(rp_model_set_step_in_call(a, opt));
     batch bt;
     batch_init(&bt, 4);
@@ -447,18 +405,8 @@ static const char *TABLE_SPEC =
     " {\"type\": \"linear\", \"in\": 32, \"out\": 3}]}";
 
 static rp_model *make_table_model(void) {
-    rp_model_options *o = NULL;
-    TS_OK(rp_model_options_create(&o));
-    TS_OK(rp_model_options_set_seed(o, 41));
-    TS_OK(rp_model_options_set_devices(o, ts_device_kind(), ts_devices(2)));
-    TS_OK(rp_model_options_set_model_dtype(o, RP_DTYPE_BF16));
-    TS_OK(rp_model_options_set_host_memory_mode(o, RP_HOST_MEMORY_SAVING));
-    const int32_t plan[3] = {1, 2, 1};
-    TS_OK(rp_model_options_set_stage_plan(o, plan, 3));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create(&m, TABLE_SPEC, o));
-    rp_model_options_destroy(o);
-    return m;
+    static const int32_t plan[3] = {1, 2, 1};
+    return staged_model(TABLE_SPEC, RP_HOST_MEMORY_SAVING, RP_DTYPE_BF16, 41, 2, plan, 3);
 }
 
 static DLManagedTensor *token_ids(int k, int all_rows) {
@@ -499,7 +447,7 @@ static ts_params *train_table(int in_call, double *losses, unsigned char *seen, 
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
     rp_run_config *cfg = ts_config(3, RP_GRAIN_STAGE);
-    rp_optimizer *opt = adamw(1e-2);
+    rp_optimizer *opt = ts_adamw(1e-2);
     if (in_call)
         TS_OK(rp_model_set_step_in_call(m, opt));
     for (int it = 0; it < 5; ++it) {

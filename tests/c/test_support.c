@@ -65,20 +65,22 @@ static int64_t numel_of(int32_t ndim, const int64_t *shape) {
 
 int64_t ts_numel(const DLTensor *t) { return numel_of(t->ndim, t->shape); }
 
-DLManagedTensor *ts_f32(int32_t ndim, const int64_t *shape, const float *values) {
+/* A CPU tensor of `dtype` (`size` bytes an element) holding a copy of `values` (NULL: zeros). */
+static DLManagedTensor *copy_tensor(DLDataType dtype, size_t size, int32_t ndim,
+                                    const int64_t *shape, const void *values) {
     int64_t n = numel_of(ndim, shape);
-    DLManagedTensor *t = ts_raw(TS_F32, TS_CPU, ndim, shape, NULL, (size_t)n * sizeof(float));
+    DLManagedTensor *t = ts_raw(dtype, TS_CPU, ndim, shape, NULL, (size_t)n * size);
     if (values)
-        memcpy(t->dl_tensor.data, values, (size_t)n * sizeof(float));
+        memcpy(t->dl_tensor.data, values, (size_t)n * size);
     return t;
 }
 
+DLManagedTensor *ts_f32(int32_t ndim, const int64_t *shape, const float *values) {
+    return copy_tensor(TS_F32, sizeof(float), ndim, shape, values);
+}
+
 DLManagedTensor *ts_i64(int32_t ndim, const int64_t *shape, const int64_t *values) {
-    int64_t n = numel_of(ndim, shape);
-    DLManagedTensor *t = ts_raw(TS_I64, TS_CPU, ndim, shape, NULL, (size_t)n * sizeof(int64_t));
-    if (values)
-        memcpy(t->dl_tensor.data, values, (size_t)n * sizeof(int64_t));
-    return t;
+    return copy_tensor(TS_I64, sizeof(int64_t), ndim, shape, values);
 }
 
 DLManagedTensor *ts_f64(int32_t ndim, const int64_t *shape, const float *values) {
@@ -228,20 +230,41 @@ int32_t ts_devices(int32_t wanted) {
     return wanted > gpus ? gpus : wanted;
 }
 
-rp_model *ts_model(const char *spec, uint64_t seed, int32_t devices, const int32_t *plan,
-                   size_t plan_len) {
+rp_model_options *ts_options(uint64_t seed, int32_t devices) {
     devices = ts_devices(devices);
     rp_model_options *opts = NULL;
     TS_OK(rp_model_options_create(&opts));
     TS_OK(rp_model_options_set_seed(opts, seed));
     TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), devices));
-    if (plan)
-        TS_OK(rp_model_options_set_stage_plan(opts, plan, plan_len));
+    return opts;
+}
+
+/* rp_model_create and rp_model_create_from_hf_config: a model from JSON text and options. */
+typedef rp_status (*model_from_text)(rp_model **, const char *, const rp_model_options *);
+
+static rp_model *create_with_options(model_from_text create, const char *text,
+                                     rp_model_options *options) {
     rp_model *model = NULL;
-    TS_OK(rp_model_create(&model, spec, opts));
-    rp_model_options_destroy(opts);
+    TS_OK(create(&model, text, options));
+    rp_model_options_destroy(options);
     assert_non_null(model);
     return model;
+}
+
+rp_model *ts_model_with_options(const char *spec, rp_model_options *options) {
+    return create_with_options(rp_model_create, spec, options);
+}
+
+rp_model *ts_hf_model_with_options(const char *config, rp_model_options *options) {
+    return create_with_options(rp_model_create_from_hf_config, config, options);
+}
+
+rp_model *ts_model(const char *spec, uint64_t seed, int32_t devices, const int32_t *plan,
+                   size_t plan_len) {
+    rp_model_options *opts = ts_options(seed, devices);
+    if (plan)
+        TS_OK(rp_model_options_set_stage_plan(opts, plan, plan_len));
+    return ts_model_with_options(spec, opts);
 }
 
 rp_run_config *ts_config(int32_t num_microbatch, int32_t grain) {
@@ -252,6 +275,13 @@ rp_run_config *ts_config(int32_t num_microbatch, int32_t grain) {
     if (grain)
         TS_OK(rp_run_config_set_recompute_grain(c, grain));
     return c;
+}
+
+rp_optimizer *ts_adamw(double lr) {
+    rp_optimizer *opt = NULL;
+    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
+    TS_OK(rp_optimizer_set_learning_rate(opt, lr));
+    return opt;
 }
 
 static ts_params *params_alloc(size_t count) {
@@ -442,6 +472,43 @@ void ts_assert_grads_match(rp_model *model, const ref_model *ref, double tol, co
     assert_match(ts_grads(model), ref, 1, tol, what);
 }
 
+double ts_ref_mse_call(ref_model *ref, const float *x, const float *y, int64_t rows, int64_t in,
+                       int64_t out, int32_t num_microbatch, int64_t call_index) {
+    const int64_t xs[2] = {rows, in}, ys[2] = {rows, out};
+    ref_tensor rin = {x, 0, 2, xs}, rlab = {y, 0, 2, ys};
+    ref_fb_args a = {rin, &rlab, num_microbatch, 0, 0, call_index, REF_LOSS_MSE, 1.0};
+    double loss = 0.0;
+    if (ref_forward_backward(ref, &loss, NULL, 0, NULL, &a) != 0) {
+        print_error("reference: %s\n", ref_last_error());
+        fail();
+    }
+    return loss;
+}
+
+void ts_assert_loss_close(double got, double want, double rel, int it) {
+    if (!(fabs(got - want) <= rel * fabs(want))) {
+        print_error("iteration %d: loss %.9g, reference %.9g\n", it, got, want);
+        fail();
+    }
+}
+
+void ts_assert_masters_follow_bf16_state(rp_model *model, const ref_model *ref, int step,
+                                         const char *first_what) {
+    ts_params *w = ts_masters(model), *rw = ts_ref_params(ref, 0);
+    double worst = 0.0;
+    for (size_t p = 0; p < w->count; ++p)
+        for (int64_t i = 0; i < w->numel[p]; ++i)
+            worst = fmax(worst, fabs((double)w->data[p][i] - rw->data[p][i]));
+    if (step == 0)
+        ts_assert_params_close(w, rw, 1e-5, first_what);
+    else if (!(worst <= 1e-3)) {
+        print_error("step %d: largest weight difference %.3g > 1e-3\n", step + 1, worst);
+        fail();
+    }
+    ts_params_free(w);
+    ts_params_free(rw);
+}
+
 void ts_assert_trains_like_reference(rp_model *model, const char *spec, int64_t in_features,
                                      int64_t out_features) {
     enum { ROWS = 8 };
@@ -456,25 +523,16 @@ void ts_assert_trains_like_reference(rp_model *model, const char *spec, int64_t 
     rp_run_config *cfg = ts_config(2, 0);
     rp_loss *loss = NULL;
     TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_optimizer *opt = NULL;
-    TS_OK(rp_optimizer_create(&opt, RP_OPTIMIZER_ADAMW));
-    TS_OK(rp_optimizer_set_learning_rate(opt, lr));
+    rp_optimizer *opt = ts_adamw(lr);
     TS_OK(rp_zero_grad(model));
     double first = 0.0, last = 0.0;
     for (int it = 0; it < 3; ++it) {
-        double got = 0.0, want = 0.0;
+        double got = 0.0;
         const DLManagedTensor *inputs[1] = {in};
         TS_OK(rp_forward_backward(&got, NULL, model, inputs, 1, lab, loss, cfg));
-        ref_tensor rin = {x, 0, 2, xs}, rlab = {y, 0, 2, ys};
-        ref_fb_args a = {rin, &rlab, 2, 0, 0, 0, REF_LOSS_MSE, 1.0};
-        if (ref_forward_backward(ref, &want, NULL, 0, NULL, &a) != 0) {
-            print_error("reference: %s\n", ref_last_error());
-            fail();
-        }
-        if (!(fabs(got - want) <= 1e-5 * fabs(want))) {
-            print_error("iteration %d: loss %.9g, reference %.9g\n", it, got, want);
-            fail();
-        }
+        /* k = 0 throughout: the model holds no dropout */
+        double want = ts_ref_mse_call(ref, x, y, ROWS, in_features, out_features, 2, 0);
+        ts_assert_loss_close(got, want, 1e-5, it);
         if (it == 0)
             first = got;
         last = got;
@@ -493,7 +551,33 @@ void ts_assert_trains_like_reference(rp_model *model, const char *spec, int64_t 
     free(y);
 }
 
-/* ---- files -------------------------------------------------------------------------------- */
+/* ---- files and Hugging Face names --------------------------------------------------------- */
+
+const char *const TS_DISK_SPEC = "{\"layers\": ["
+                                 "{\"type\": \"linear\", \"in\": 5, \"out\": 9},"
+                                 "{\"type\": \"layer_norm\", \"dim\": 9},"
+                                 "{\"type\": \"residual_mlp\", \"dim\": 9, \"hidden\": 13},"
+                                 "{\"type\": \"linear\", \"in\": 9, \"out\": 2, \"bias\": false}]}";
+
+const char *const TS_QWEN3_CONFIG =
+    "{\"architectures\": [\"Qwen3ForCausalLM\"], \"vocab_size\": 40, \"hidden_size\": 32,"
+    " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
+    " \"num_key_value_heads\": 2, \"head_dim\": 8, \"tie_word_embeddings\": false,"
+    " \"dtype\": \"float32\"}";
+
+void ts_hf_name(char *out, size_t cap, const char *ours, int num_layers) {
+    char *end = NULL;
+    long layer = strtol(ours, &end, 10);
+    const char *local = end + 1;
+    if (layer == 0)
+        snprintf(out, cap, "model.embed_tokens.%s", local);
+    else if (layer <= num_layers)
+        snprintf(out, cap, "model.layers.%ld.%s", layer - 1, local);
+    else if (layer == num_layers + 1)
+        snprintf(out, cap, "model.norm.%s", local);
+    else
+        snprintf(out, cap, "lm_head.%s", local);
+}
 
 char *ts_tempdir(void) {
     char tmpl[] = "/tmp/rp-test-XXXXXX";
@@ -547,6 +631,12 @@ void ts_assert_all_zero(const ts_params *p) {
 const char *const TS_TRIPWIRE_SPEC =
     "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
     " {\"type\": \"caller\", \"def\": 0},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
+
+const char *const TS_MLP_SPEC =
+    "{\"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 24}, {\"type\": \"tanh\"},"
     " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
     " {\"type\": \"linear\", \"in\": 24, \"out\": 24}, {\"type\": \"tanh\"},"
     " {\"type\": \"linear\", \"in\": 24, \"out\": 3}]}";
@@ -606,4 +696,17 @@ rp_layer_def *ts_tripwire_def(int *fail) {
     TS_OK(rp_layer_def_create(&def, "c:tripwire", tripwire_forward, tripwire_backward, NULL,
                               fail));
     return def;
+}
+
+rp_model *ts_tripwire_model(int *fail, rp_model_options *options) {
+    rp_layer_def *def = ts_tripwire_def(fail);
+    TS_OK(rp_model_options_set_devices(options, RP_DEVICE_CPU, 3));
+    const int32_t plan[4] = {3, 2, 2, 1};
+    TS_OK(rp_model_options_set_stage_plan(options, plan, 4));
+    rp_model *m = NULL;
+    TS_OK(rp_model_create_with_layers(&m, TS_TRIPWIRE_SPEC, (const rp_layer_def *const *)&def, 1,
+                                      options));
+    rp_model_options_destroy(options);
+    rp_layer_def_destroy(def);
+    return m;
 }

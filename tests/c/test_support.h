@@ -83,8 +83,18 @@ int ts_gpu_missing(void);
 /** `wanted`, capped at the number of visible GPUs when ts_device_kind() is RP_DEVICE_CUDA. */
 int32_t ts_devices(int32_t wanted);
 
+/** Model options with `seed` and `devices` worker devices of ts_device_kind() (capped by
+ * ts_devices), asserting success: a test adds its own settings, then ts_model_with_options. */
+rp_model_options *ts_options(uint64_t seed, int32_t devices);
+/** rp_model_create of `spec` with `options`, asserting success; destroys `options`. */
+rp_model *ts_model_with_options(const char *spec, rp_model_options *options);
+/** The same with rp_model_create_from_hf_config and a config.json text. */
+rp_model *ts_hf_model_with_options(const char *config, rp_model_options *options);
+
 /** Run configuration with num_microbatch and grain set (grain 0 leaves it unset). */
 rp_run_config *ts_config(int32_t num_microbatch, int32_t grain);
+/** AdamW with learning rate `lr`, every other hyperparameter at its default. */
+rp_optimizer *ts_adamw(double lr);
 
 /** A snapshot of every parameter (master weights or gradients) of a model. */
 typedef struct ts_params {
@@ -126,6 +136,20 @@ ts_params *ts_ref_params(const ref_model *ref, int grads);
 void ts_assert_masters_match(rp_model *model, const ref_model *ref, double tol, const char *what);
 void ts_assert_grads_match(rp_model *model, const ref_model *ref, double tol, const char *what);
 
+/** The reference's training call with the MSE loss (scale 1) on `rows` rows of inputs `x`
+ * (`in` wide) and labels `y` (`out` wide), both split along dim 0 into `num_microbatch`;
+ * `call_index` is the dropout rule's k. Fails the test on a reference error; returns the loss. */
+double ts_ref_mse_call(ref_model *ref, const float *x, const float *y, int64_t rows, int64_t in,
+                       int64_t out, int32_t num_microbatch, int64_t call_index);
+/** Assert |got - want| <= rel * |want| for the losses of iteration `it`. */
+void ts_assert_loss_close(double got, double want, double rel, int it);
+/** The model's master weights against the reference's after step `step` (0-based) of an
+ * optimizer whose state is stored in bf16 (RP_HOST_MEMORY_SAVING): the first step computes from
+ * fp32 state, so ts_assert_params_close at 1e-5 (`first_what` names the weights); later steps
+ * read state rounded to bf16, so every weight within 1e-3 absolute (each caller derives it). */
+void ts_assert_masters_follow_bf16_state(rp_model *model, const ref_model *ref, int step,
+                                         const char *first_what);
+
 /**
  * Proof that a model still trains correctly (used after bad-input calls): copy its weights into
  * a fresh reference, run two iterations of forward_backward (MSE, 2 microbatches, 8 rows of
@@ -149,6 +173,26 @@ rp_layer_def *ts_tripwire_def(int *fail);
 /** A model spec with the tripwire (caller def 0) third: linear 6 -> 24, tanh, tripwire, then
  * linear 24 -> 24, tanh, linear 24 -> 24, tanh, linear 24 -> 3 (8 layers). */
 extern const char *const TS_TRIPWIRE_SPEC;
+/** TS_TRIPWIRE_SPEC without the tripwire: linear 6 -> 24, tanh, linear 24 -> 24, tanh,
+ * linear 24 -> 24, tanh, linear 24 -> 3 (7 layers), for the models trained beside one. */
+extern const char *const TS_MLP_SPEC;
+/** A model of TS_TRIPWIRE_SPEC with ts_tripwire_def(fail) on 3 CPU devices in four stages
+ * {3, 2, 2, 1} (the tripwire in the first), built with `options` (seed, dtype, mode: this sets
+ * the devices and the plan) and destroying them. */
+rp_model *ts_tripwire_model(int *fail, rp_model_options *options);
+
+/* ---- files and Hugging Face names --------------------------------------------------------- */
+
+/** A small model of several parameter kinds, for the weights-on-disk tests: linear 5 -> 9,
+ * layer_norm 9, residual_mlp 9 (hidden 13), linear 9 -> 2 without bias (input 5, output 2). */
+extern const char *const TS_DISK_SPEC;
+/** A tiny Qwen3 config.json for the Hugging Face file tests: vocabulary 40, hidden 32,
+ * intermediate 48, 2 decoder layers, 4 query / 2 key-value heads of 8, untied, float32. */
+extern const char *const TS_QWEN3_CONFIG;
+
+/** The Hugging Face name of parameter `ours` of a decoder model with `num_layers` decoder layers
+ * (written from the table in roundpipe.h): embedding, layers, final norm, LM head. */
+void ts_hf_name(char *out, size_t cap, const char *ours, int num_layers);
 
 /** A fresh empty directory under /tmp (caller frees the string; ts_rmdir removes it). */
 char *ts_tempdir(void);

@@ -82,14 +82,7 @@ static void make_batch(batch *b, uint64_t seed) {
 /* ---- models ----------------------------------------------------------------------------- */
 
 static rp_model *hf_model(const char *config, int32_t devices, uint64_t seed) {
-    rp_model_options *opts = NULL;
-    TS_OK(rp_model_options_create(&opts));
-    TS_OK(rp_model_options_set_seed(opts, seed));
-    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(devices)));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create_from_hf_config(&m, config, opts));
-    rp_model_options_destroy(opts);
-    return m;
+    return ts_hf_model_with_options(config, ts_options(seed, devices));
 }
 
 /* The reference holding the model's current weights, read back from rp_model_save_hf. */
@@ -104,21 +97,6 @@ static ref_lm *reference_of(rp_model *m) {
     ts_rmdir(dir);
     free(dir);
     return ref;
-}
-
-/* Hugging Face name of parameter `ours` (written from the table in roundpipe.h). */
-static void hf_name(char *out, size_t cap, const char *ours) {
-    char *end = NULL;
-    long layer = strtol(ours, &end, 10);
-    const char *local = end + 1;
-    if (layer == 0)
-        snprintf(out, cap, "model.embed_tokens.%s", local);
-    else if (layer <= NUM_LAYERS)
-        snprintf(out, cap, "model.layers.%ld.%s", layer - 1, local);
-    else if (layer == NUM_LAYERS + 1)
-        snprintf(out, cap, "model.norm.%s", local);
-    else
-        snprintf(out, cap, "lm_head.%s", local);
 }
 
 /* ---- comparisons ------------------------------------------------------------------------ */
@@ -186,7 +164,7 @@ static void compare_case(const char *config, const fb_case *c) {
     ts_params *g = ts_grads(m);
     for (size_t i = 0; i < g->count; ++i) {
         char name[256];
-        hf_name(name, sizeof name, g->names[i]);
+        ts_hf_name(name, sizeof name, g->names[i], NUM_LAYERS);
         assert_int_equal(ref_lm_numel(ref, name), g->numel[i]);
         float *rg = malloc(sizeof(float) * (size_t)g->numel[i]);
         assert_int_equal(ref_lm_grad(ref, name, rg, g->numel[i]), 0);
@@ -357,7 +335,7 @@ static void spec_model_with_small_loss_chunks_matches_reference(void **state) {
     ts_params *g = ts_grads(m);
     for (size_t i = 0; i < g->count; ++i) {
         char name[256];
-        hf_name(name, sizeof name, g->names[i]);
+        ts_hf_name(name, sizeof name, g->names[i], NUM_LAYERS);
         float *rg = malloc(sizeof(float) * (size_t)g->numel[i]);
         assert_int_equal(ref_lm_grad(ref, name, rg, g->numel[i]), 0);
         assert_rel(name, g->data[i], rg, g->numel[i], 1e-4);

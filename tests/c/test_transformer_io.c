@@ -16,12 +16,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *QWEN3 =
-    "{\"architectures\": [\"Qwen3ForCausalLM\"], \"vocab_size\": 40, \"hidden_size\": 32,"
-    " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
-    " \"num_key_value_heads\": 2, \"head_dim\": 8, \"tie_word_embeddings\": false,"
-    " \"dtype\": \"float32\"}";
-
 static const char *LLAMA_TIED =
     "{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 40, \"hidden_size\": 32,"
     " \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4,"
@@ -40,15 +34,9 @@ enum { NUM_LAYERS = 2 };
 /* ---- helpers ---------------------------------------------------------------------------- */
 
 static rp_model *hf_model(const char *config, uint64_t seed, int32_t dtype) {
-    rp_model_options *opts = NULL;
-    TS_OK(rp_model_options_create(&opts));
-    TS_OK(rp_model_options_set_seed(opts, seed));
+    rp_model_options *opts = ts_options(seed, 2);
     TS_OK(rp_model_options_set_model_dtype(opts, dtype));
-    TS_OK(rp_model_options_set_devices(opts, ts_device_kind(), ts_devices(2)));
-    rp_model *m = NULL;
-    TS_OK(rp_model_create_from_hf_config(&m, config, opts));
-    rp_model_options_destroy(opts);
-    return m;
+    return ts_hf_model_with_options(config, opts);
 }
 
 static rp_model *load_dir(const char *dir) {
@@ -59,20 +47,6 @@ static rp_model *load_dir(const char *dir) {
     TS_OK(rp_model_create_from_hf(&m, dir, opts));
     rp_model_options_destroy(opts);
     return m;
-}
-
-static void hf_name(char *out, size_t cap, const char *ours) {
-    char *end = NULL;
-    long layer = strtol(ours, &end, 10);
-    const char *local = end + 1;
-    if (layer == 0)
-        snprintf(out, cap, "model.embed_tokens.%s", local);
-    else if (layer <= NUM_LAYERS)
-        snprintf(out, cap, "model.layers.%ld.%s", layer - 1, local);
-    else if (layer == NUM_LAYERS + 1)
-        snprintf(out, cap, "model.norm.%s", local);
-    else
-        snprintf(out, cap, "lm_head.%s", local);
 }
 
 static char *path_in(const char *dir, const char *name) {
@@ -131,7 +105,7 @@ static void write_ckpt(const char *dir, rp_model *m, const char *config, const c
     int64_t(*shapes)[8] = calloc(w->count + 1, sizeof *shapes);
     size_t n = 0;
     for (size_t i = 0; i < w->count; ++i) {
-        hf_name(names[i], 256, w->names[i]);
+        ts_hf_name(names[i], 256, w->names[i], NUM_LAYERS);
         if (o->skip && !strcmp(o->skip, names[i]))
             continue;
         int32_t nd = shape_of(m, i, shapes[n]);
@@ -159,85 +133,93 @@ static const ckpt_opts PLAIN = {NULL, NULL, "F32", NULL};
 
 /* ---- round trips ------------------------------------------------------------------------ */
 
+/* A model saved with rp_model_save_hf into a fresh directory: its model.safetensors path and
+ * its config.json text. */
+typedef struct saved_dir {
+    char *dir, *st_path, *cfg;
+} saved_dir;
+
+static void save_to_fresh_dir(saved_dir *s, rp_model *m) {
+    s->dir = ts_tempdir();
+    TS_OK(rp_model_save_hf(m, s->dir));
+    s->st_path = path_in(s->dir, "model.safetensors");
+    char *cfg_path = path_in(s->dir, "config.json");
+    s->cfg = read_file(cfg_path, NULL);
+    free(cfg_path);
+}
+
+static void saved_dir_free(saved_dir *s) {
+    free(s->cfg);
+    free(s->st_path);
+    ts_rmdir(s->dir);
+    free(s->dir);
+}
+
+/* Every parameter of `w` is in `st` under its Hugging Face name with `w`'s values bit for bit,
+ * stored as `dtype` (NULL: any). */
+static void assert_stored_bitwise(ref_st *st, const ts_params *w, const char *dtype) {
+    for (size_t i = 0; i < w->count; ++i) {
+        char name[256];
+        ts_hf_name(name, sizeof name, w->names[i], NUM_LAYERS);
+        if (dtype)
+            assert_string_equal(ref_st_dtype(st, name), dtype);
+        float *v = malloc(sizeof(float) * (size_t)w->numel[i]);
+        assert_int_equal(ref_st_get_f32(st, name, v, w->numel[i]), 0);
+        assert_memory_equal(v, w->data[i], sizeof(float) * (size_t)w->numel[i]);
+        free(v);
+    }
+}
+
 static void saved_directory_has_hf_names_config_and_reloads_bitwise(void **state) {
     (void)state;
-    const char *configs[2] = {QWEN3, LLAMA_TIED};
+    const char *configs[2] = {TS_QWEN3_CONFIG, LLAMA_TIED};
     for (int c = 0; c < 2; ++c) {
-        char *dir = ts_tempdir();
         rp_model *a = hf_model(configs[c], 7, RP_DTYPE_F32);
-        TS_OK(rp_model_save_hf(a, dir));
-        assert_int_equal(ts_dir_entries(dir), 2); /* config.json + model.safetensors, no temp */
-        char *st_path = path_in(dir, "model.safetensors");
-        ref_st *st = ref_st_open(st_path);
+        saved_dir s;
+        save_to_fresh_dir(&s, a);
+        assert_int_equal(ts_dir_entries(s.dir), 2); /* config.json + model.safetensors, no temp */
+        ref_st *st = ref_st_open(s.st_path);
         assert_non_null(st);
         ts_params *w = ts_masters(a);
         assert_int_equal(ref_st_count(st), w->count);
-        for (size_t i = 0; i < w->count; ++i) {
-            char name[256];
-            hf_name(name, sizeof name, w->names[i]);
-            assert_string_equal(ref_st_dtype(st, name), "F32");
-            float *v = malloc(sizeof(float) * (size_t)w->numel[i]);
-            assert_int_equal(ref_st_get_f32(st, name, v, w->numel[i]), 0);
-            assert_memory_equal(v, w->data[i], sizeof(float) * (size_t)w->numel[i]);
-            free(v);
-        }
+        assert_stored_bitwise(st, w, "F32");
         /* Tied: the head is the embedding and is not stored, as transformers saves it. */
         assert_true((ref_st_dtype(st, "lm_head.weight") == NULL) == (c == 1));
         ref_st_close(st);
-        char *cfg_path = path_in(dir, "config.json");
-        char *cfg = read_file(cfg_path, NULL);
         assert_true(
-            ts_contains(cfg, c == 0 ? "\"dtype\": \"float32\"" : "\"torch_dtype\": \"float32\""));
-        assert_true(ts_contains(cfg, c == 0 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
-        rp_model *b = load_dir(dir);
+            ts_contains(s.cfg, c == 0 ? "\"dtype\": \"float32\"" : "\"torch_dtype\": \"float32\""));
+        assert_true(ts_contains(s.cfg, c == 0 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"));
+        rp_model *b = load_dir(s.dir);
         ts_params *wb = ts_masters(b);
         ts_assert_params_equal(wb, w);
         ts_params_free(wb);
         ts_params_free(w);
-        free(cfg);
-        free(cfg_path);
-        free(st_path);
+        saved_dir_free(&s);
         rp_model_destroy(a);
         rp_model_destroy(b);
-        ts_rmdir(dir);
-        free(dir);
     }
 }
 
 static void bf16_model_saves_bf16_tensors_and_a_bf16_config(void **state) {
     (void)state;
-    char *dir = ts_tempdir();
-    rp_model *a = hf_model(QWEN3, 3, RP_DTYPE_BF16);
-    TS_OK(rp_model_save_hf(a, dir));
-    char *st_path = path_in(dir, "model.safetensors");
-    ref_st *st = ref_st_open(st_path);
+    rp_model *a = hf_model(TS_QWEN3_CONFIG, 3, RP_DTYPE_BF16);
+    saved_dir s;
+    save_to_fresh_dir(&s, a);
+    ref_st *st = ref_st_open(s.st_path);
     assert_non_null(st);
     assert_string_equal(ref_st_dtype(st, "model.layers.1.mlp.down_proj.weight"), "BF16");
     ref_st_close(st);
-    char *cfg_path = path_in(dir, "config.json");
-    char *cfg = read_file(cfg_path, NULL);
-    assert_true(ts_contains(cfg, "\"dtype\": \"bfloat16\""));
+    assert_true(ts_contains(s.cfg, "\"dtype\": \"bfloat16\""));
     /* Loaded into an fp32 model: exactly the bf16 values another reader finds in the file. */
-    rp_model *b = load_dir(dir);
+    rp_model *b = load_dir(s.dir);
     ts_params *wb = ts_masters(b);
-    st = ref_st_open(st_path);
-    for (size_t i = 0; i < wb->count; ++i) {
-        char name[256];
-        hf_name(name, sizeof name, wb->names[i]);
-        float *v = malloc(sizeof(float) * (size_t)wb->numel[i]);
-        assert_int_equal(ref_st_get_f32(st, name, v, wb->numel[i]), 0);
-        assert_memory_equal(wb->data[i], v, sizeof(float) * (size_t)wb->numel[i]);
-        free(v);
-    }
+    st = ref_st_open(s.st_path);
+    assert_stored_bitwise(st, wb, NULL);
     ref_st_close(st);
     ts_params_free(wb);
-    free(cfg);
-    free(cfg_path);
-    free(st_path);
+    saved_dir_free(&s);
     rp_model_destroy(a);
     rp_model_destroy(b);
-    ts_rmdir(dir);
-    free(dir);
 }
 
 /* Three shards in three dtypes, a tied head stored anyway, an index: RoundPipe loads the values
@@ -257,7 +239,7 @@ static void sharded_checkpoint_in_mixed_dtypes_loads_and_saves_in_the_same_shard
     int64_t shapes[33][8];
     char index[8192] = "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {";
     for (size_t i = 0; i < w->count; ++i) {
-        hf_name(names[i], 256, w->names[i]);
+        ts_hf_name(names[i], 256, w->names[i], NUM_LAYERS);
         int s = (int)(i % 3);
         int32_t nd = shape_of(a, i, shapes[i]);
         e[s][n[s]++] = (ref_st_entry){names[i], dtypes[s], nd, shapes[i], w->data[i]};
@@ -330,9 +312,9 @@ typedef struct fixture {
 
 static int setup(void **state) {
     static fixture f;
-    f.target = hf_model(QWEN3, 1, RP_DTYPE_F32);
+    f.target = hf_model(TS_QWEN3_CONFIG, 1, RP_DTYPE_F32);
     f.before = ts_masters(f.target);
-    f.source = hf_model(QWEN3, 2, RP_DTYPE_F32);
+    f.source = hf_model(TS_QWEN3_CONFIG, 2, RP_DTYPE_F32);
     f.dir = ts_tempdir();
     *state = &f;
     return 0;
@@ -372,7 +354,7 @@ static void good_checkpoints_load_into_the_target_and_back(void **state) {
     fixture *f = *state;
     char *orig = ts_tempdir();
     TS_OK(rp_model_save_hf(f->target, orig));
-    write_ckpt(f->dir, f->source, QWEN3, &PLAIN);
+    write_ckpt(f->dir, f->source, TS_QWEN3_CONFIG, &PLAIN);
     TS_OK(rp_model_load_hf(f->target, f->dir));
     ts_params *now = ts_masters(f->target), *src = ts_masters(f->source);
     ts_assert_params_equal(now, src);
@@ -386,12 +368,19 @@ static void good_checkpoints_load_into_the_target_and_back(void **state) {
     free(orig);
 }
 
+/* A plain checkpoint of the source model in the fixture's directory, for a test to break: its
+ * model.safetensors file's path (*path) and bytes (returned, *size of them). */
+static char *read_plain_checkpoint(const fixture *f, char **path, long *size) {
+    write_ckpt(f->dir, f->source, TS_QWEN3_CONFIG, &PLAIN);
+    *path = path_in(f->dir, "model.safetensors");
+    return read_file(*path, size);
+}
+
 static void corrupt_header_is_an_io_error_naming_the_file(void **state) {
     fixture *f = *state;
-    write_ckpt(f->dir, f->source, QWEN3, &PLAIN);
-    char *p = path_in(f->dir, "model.safetensors");
+    char *p = NULL;
     long n = 0;
-    char *buf = read_file(p, &n);
+    char *buf = read_plain_checkpoint(f, &p, &n);
     memcpy(buf + 8, "#garbage#!", 10);
     write_file(p, buf, n);
     ASSERT_LOAD_FAILS(f, RP_ERR_IO, "model.safetensors", "corrupt");
@@ -401,10 +390,9 @@ static void corrupt_header_is_an_io_error_naming_the_file(void **state) {
 
 static void truncated_file_is_an_io_error_naming_file_and_tensor(void **state) {
     fixture *f = *state;
-    write_ckpt(f->dir, f->source, QWEN3, &PLAIN);
-    char *p = path_in(f->dir, "model.safetensors");
+    char *p = NULL;
     long n = 0;
-    char *buf = read_file(p, &n);
+    char *buf = read_plain_checkpoint(f, &p, &n);
     write_file(p, buf, n - 100);
     ASSERT_LOAD_FAILS(f, RP_ERR_IO, "model.safetensors", "tensor \"", "truncated");
     write_file(p, buf, 5); /* not even a header length */
@@ -416,7 +404,7 @@ static void truncated_file_is_an_io_error_naming_file_and_tensor(void **state) {
 static void wrong_shape_is_an_io_error_naming_file_and_tensor(void **state) {
     fixture *f = *state;
     ckpt_opts o = {NULL, "model.layers.1.mlp.up_proj.weight", "F32", NULL};
-    write_ckpt(f->dir, f->source, QWEN3, &o);
+    write_ckpt(f->dir, f->source, TS_QWEN3_CONFIG, &o);
     ASSERT_LOAD_FAILS(f, RP_ERR_IO, "model.safetensors", "model.layers.1.mlp.up_proj.weight",
                       "shape [48, 31]", "expects [48, 32]");
 }
@@ -424,7 +412,7 @@ static void wrong_shape_is_an_io_error_naming_file_and_tensor(void **state) {
 static void missing_tensor_is_an_io_error_naming_it(void **state) {
     fixture *f = *state;
     ckpt_opts o = {"model.norm.weight", NULL, "BF16", "model.extra.weight"};
-    write_ckpt(f->dir, f->source, QWEN3, &o);
+    write_ckpt(f->dir, f->source, TS_QWEN3_CONFIG, &o);
     ASSERT_LOAD_FAILS(f, RP_ERR_IO, "model.safetensors", "missing tensor \"model.norm.weight\"");
 }
 
@@ -450,7 +438,7 @@ static void missing_shard_and_index_gaps_are_io_errors(void **state) {
 
 static void directory_without_weights_or_config_is_an_io_error(void **state) {
     fixture *f = *state;
-    write_text(f->dir, "config.json", QWEN3);
+    write_text(f->dir, "config.json", TS_QWEN3_CONFIG);
     ASSERT_LOAD_FAILS(f, RP_ERR_IO, "model.safetensors");
     char *cfg = path_in(f->dir, "config.json");
     unlink(cfg);
