@@ -742,11 +742,18 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
                 a.lent[f.param] = 1;
             }
         }
+        // The elements a part updates, in its span's name: with the span's length, the trace
+        // gives the optimizer's rate in the call, to set beside a step's alone (a table updated
+        // by rows counts whole).
+        int64_t elements = 0;
+        for (size_t p : a.which)
+            elements += a.has_grad[p] && a.params[p].defined() ? a.params[p].numel() : 0;
         try {
             // One span per part: the trace shows the updates running beside the backward.
             HostSpan span(timeline_, "optimizer",
                           "in-call step " + std::to_string(number) + ": " +
-                              std::to_string(a.which.size()) + " parameter(s)");
+                              std::to_string(a.which.size()) + " parameter(s), " +
+                              std::to_string(elements) + " elements");
             builtin_->step(a, settings, param_done);
             serve_next_call_rows(number, next_rows_served);
         } catch (...) {
