@@ -15,8 +15,8 @@
 # qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving, registered pinning, in-call steps, 2
 # warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
 # seconds (default 520, for a device call's 600) is skipped. Prints one line per variant (tokens/s,
-# iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call,
-# when its first compute started, the plan used);
+# iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call
+# and its rate where the spans name their elements, when its first compute started, the plan used);
 # every run's output in $OUT/env-ab.tgz.
 #
 # Without two GPUs, `AB_GPUS=1` with `--seq 2048` in AB_ARGS is a stand-in for the two-GPU
@@ -47,24 +47,30 @@ for variant in ${AB_VARIANTS:?"AB_VARIANTS: name:VAR=value,... per variant"}; do
     SCALING_TRACE=1 SCALING_ARGS="$args" \
     bash "$root/bench/run_scaling.sh" > "$dir.log" 2>&1
   python3 - "$dir" "$name" <<'PY'
-import glob, json, sys
+import glob, json, re, sys
 d, name = sys.argv[1], sys.argv[2]
 for line in open(f"{d}/scaling.jsonl"):
     r = json.loads(line)
-    opt = first = "-"
+    opt = first = rate = "-"
     for t in glob.glob(f"{d}/trace_*.json"):
         if t.endswith(".summary.json"):  # trace_summary.py's digest beside the trace
             continue
         ev = json.load(open(t))
         ev = ev["traceEvents"] if isinstance(ev, dict) else ev
         spans = [e for e in ev if e.get("ph") == "X"]
-        opt = round(sum(e["dur"] for e in spans if e.get("tid") == "optimizer") / 1e3)
+        updates = [e for e in spans if e.get("tid") == "optimizer"]
+        opt = round(sum(e["dur"] for e in updates) / 1e3)
+        # The optimizer's rate in the call: elements over the spans that name them.
+        named = [(int(m.group(1)), e["dur"]) for e in updates
+                 for m in [re.search(r"(\d+) elements", e.get("name", ""))] if m]
+        if named and sum(d for _, d in named):
+            rate = round(sum(n for n, _ in named) / sum(d for _, d in named) / 1e3, 2)
         # When the devices start computing (the previous step's first stages updated and up).
         first = round((min(e["ts"] for e in spans if e.get("tid") == "compute") -
                        min(e["ts"] for e in spans)) / 1e3, 1)
     peak = round(r.get("peak_gpu_bytes", 0) / 2**30, 1)
     print(f"{name:10} {r.get('tokens_per_s')} tok/s  iter {r.get('iter_ms')}  fb alone {r.get('fb_only_ms')}  "
-          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms  first compute {first} ms  plan {r.get('pcie_plan')}")
+          f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms ({rate} G elements/s)  first compute {first} ms  plan {r.get('pcie_plan')}")
 PY
   echo "  ($((SECONDS - start)) s)"
 done
