@@ -730,24 +730,25 @@ void Model::run_in_call_step(const OptimizerSettings &settings, FinalFeed &feed,
         a.which.clear();
         a.has_grad.assign(store_.size(), 0);
         a.lent.assign(store_.size(), 0);
+        // The elements this part updates, in its span's name: with the span's length, the trace
+        // gives the optimizer's rate in the call, to set beside a step's alone (a table updated
+        // by rows counts whole).
+        int64_t elements = 0;
         for (const GradAccumulator::FinalGradient &f : batch) {
             a.which.push_back(f.param);
             if (table_rows.defined() && static_cast<int64_t>(f.param) == lookup_table_)
                 builtin_->split_next_update(f.param, table_rows);
             nonfinite += f.nonfinite ? 1 : 0;
             a.has_grad[f.param] = f.received && !(f.nonfinite && skip_nonfinite_steps_);
-            updated += a.has_grad[f.param] && a.params[f.param].defined() ? 1 : 0;
+            if (a.has_grad[f.param] && a.params[f.param].defined()) {
+                ++updated;
+                elements += a.params[f.param].numel();
+            }
             if (f.landed.defined()) {
                 a.grads[f.param] = f.landed;
                 a.lent[f.param] = 1;
             }
         }
-        // The elements a part updates, in its span's name: with the span's length, the trace
-        // gives the optimizer's rate in the call, to set beside a step's alone (a table updated
-        // by rows counts whole).
-        int64_t elements = 0;
-        for (size_t p : a.which)
-            elements += a.has_grad[p] && a.params[p].defined() ? a.params[p].numel() : 0;
         try {
             // One span per part: the trace shows the updates running beside the backward.
             HostSpan span(timeline_, "optimizer",

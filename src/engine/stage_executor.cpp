@@ -232,8 +232,7 @@ void check_recompute_matches(const Activation &ys, const Activation &grads,
     auto differs = [&](const std::string &what) {
         const std::string message =
             where + ": the recompute gave outputs that differ from the forward's (" + what +
-            "); a layer's outputs must not change between its forward "
-            "and its recompute";
+            "); a layer's outputs must not change between its forward and its recompute";
         fail(ErrorKind::Callback, message);
     };
     if (ys.size() != grads.size())
@@ -559,12 +558,13 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
     // Emptying the batch hides a row-count mismatch; every layer keeps dim 0 as the batch, so
     // built-in losses need exactly one label row per input row.
     bool rowwise = loss->kind == LossKind::Mse || loss->kind == LossKind::CrossEntropy;
-    if (rowwise && labels.defined() && labels.dim() > 0 && in.dim() > 0)
-        require(labels.size(0) == in.size(0), "labels have " + std::to_string(labels.size(0)) +
-                                                  " rows in this microbatch but "
-                                                  "input 0 has " +
-                                                  std::to_string(in.size(0)) +
-                                                  "; the label batch must match the input batch");
+    if (rowwise && labels.defined() && labels.dim() > 0 && in.dim() > 0 &&
+        labels.size(0) != in.size(0)) {
+        const std::string rows = "labels have " + std::to_string(labels.size(0)) +
+                                 " rows in this microbatch but input 0 has " +
+                                 std::to_string(in.size(0));
+        fail(ErrorKind::InvalidArgument, rows + "; the label batch must match the input batch");
+    }
     if (loss->kind == LossKind::Mse && labels.defined() && in.dim() > 0 && x.dim() > 0) {
         // Say the shapes with the real batch size, not the emptied one.
         std::vector<int64_t> out_shape = x.sizes().vec();

@@ -35,8 +35,8 @@ struct PlanRequest {
     // Where that limit comes from and what to do about a layer over it, for the error message.
     const char *weight_limit_source = "a third of the GPU memory cap; raise the cap or split "
                                       "the layer";
-    double max_stage_bytes = 0;        // fixed bytes plus activations; <= 0: no limit
-    double tokens = 0;                 // tokens of the largest microbatch of the call
+    double max_stage_bytes = 0; // fixed bytes plus activations; <= 0: no limit
+    double tokens = 0;          // tokens of the largest microbatch of the call
     RecomputeGrain grain = RecomputeGrain::Stage;
     StageUse use = StageUse::Fused;
 };
