@@ -16,7 +16,8 @@
 # warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
 # seconds (default 520, for a device call's 600) is skipped. Prints one line per variant (tokens/s,
 # iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call
-# and its rate where the spans name their elements, when its first compute started, the plan used);
+# and its rate where the spans name their elements, when its first compute started, the plan used)
+# and a second with the cores each named thread group kept busy through the timed loop;
 # every run's output in $OUT/env-ab.tgz.
 #
 # Without two GPUs, `AB_GPUS=1` with `--seq 2048` in AB_ARGS is a stand-in for the two-GPU
@@ -69,8 +70,11 @@ for line in open(f"{d}/scaling.jsonl"):
         first = round((min(e["ts"] for e in spans if e.get("tid") == "compute") -
                        min(e["ts"] for e in spans)) / 1e3, 1)
     peak = round(r.get("peak_gpu_bytes", 0) / 2**30, 1)
+    # Cores each named thread group kept busy through the timed loop (the engine's rp-* threads).
+    cores = ", ".join(f"{t['name']} {t['cores']}" for t in r.get("loop_thread_cpu", [])[:6])
     print(f"{name:10} {r.get('tokens_per_s')} tok/s  iter {r.get('iter_ms')}  fb alone {r.get('fb_only_ms')}  "
           f"step alone {r.get('opt_step_ms')}  hidden {r.get('opt_hidden_fraction')}  peak {peak} GiB  optimizer in call {opt} ms ({rate} G elements/s)  first compute {first} ms  plan {r.get('pcie_plan')}")
+    print(f"{'':10} cores busy: {cores}")
 PY
   echo "  ($((SECONDS - start)) s)"
 done

@@ -9,8 +9,8 @@
 // Progress goes to stderr; the JSON line (and nothing else) to stdout.
 //
 // The pieces: options (command line), shape (model shapes and counts), baseline (libtorch),
-// roundpipe_run (the engine through the C API), trace_analysis (its timing record), report
-// (the JSON line), memory and util (helpers).
+// roundpipe_run (the engine through the C API), trace_analysis (its timing record), thread_cpu
+// (CPU time per thread name), report (the JSON line), memory and util (helpers).
 #include <roundpipe.h>
 
 #include <cstdio>

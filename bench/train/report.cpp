@@ -32,6 +32,7 @@ void report_throughput(json &out, const Options &o, const RoundPipeRun &r) {
     out["tokens_per_s"] = round_to(n_tok / secs, 1);
     out["iter_ms"] = round_to(iter_ms, 3);
     out["fb_ms"] = round_to(mean(r.fb_ms), 3);
+    out["loop_thread_cpu"] = r.loop_thread_cpu;
     out["model_tflops"] = round_to(6.0 * fp * n_tok / secs / 1e12, 3);
     out["hw_tflops"] = round_to((8.0 * fp * o.tokens() + 4.0 * attn) * o.steps / secs / 1e12, 3);
     out["attention_flops_per_iter"] = 4.0 * attn;

@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <memory>
 
 #include "memory.h"
+#include "thread_cpu.h"
 #include "tokens.h"
 #include "util.h"
 
@@ -161,6 +163,7 @@ void warm_up(RoundPipeRun &r, Session &sess, const Options &o) {
 // optimizer thread) plus rp_step, which first waits for that previous step: the time spent
 // inside rp_step is the optimizer time the GPU work did not hide.
 void timed_loop(RoundPipeRun &r, Session &sess, const Options &o) {
+    const std::map<std::string, ThreadCpu> cpu_before = thread_cpu_by_name();
     auto t_loop = Clock::now();
     for (int i = 0; i < o.steps; ++i) {
         auto t0 = Clock::now();
@@ -175,6 +178,7 @@ void timed_loop(RoundPipeRun &r, Session &sess, const Options &o) {
                  std::to_string(r.losses.back()));
     }
     r.loop_ms = ms_since(t_loop);
+    r.loop_thread_cpu = thread_cpu_between(cpu_before, thread_cpu_by_name(), r.loop_ms);
 }
 
 // The timing record of the last call and the plan it ran with (after the engine's re-plan).

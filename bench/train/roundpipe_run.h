@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "options.h"
+#include "util.h"
 
 namespace tb {
 
@@ -25,6 +26,7 @@ struct RoundPipeRun {
     double loop_ms = 0;        // wall time of the timed loop
     std::vector<double> losses; // warm-up and timed iterations
     std::vector<double> fb_ms, step_ms, fb_only_ms, opt_ms;
+    json loop_thread_cpu; // CPU time per thread name over the timed loop (thread_cpu.h)
     int64_t peak_gpu_warmup = -1, peak_gpu_steady = -1, peak_rss = 0;
     int64_t host_state_bytes = 0, host_state_elements = 0;
     std::string trace_json; // of the last timed forward_backward

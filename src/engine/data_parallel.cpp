@@ -5,6 +5,7 @@
 
 #include "base/error.h"
 #include "base/log.h"
+#include "base/thread_name.h"
 
 #ifdef RP_HAVE_C10D_GLOO
 #include <mutex>
@@ -294,6 +295,7 @@ void DataParallel::abort_device_groups() {
     std::call_once(group_->aborted, [&] {
         for (auto &pg : group_->nccl)
             std::thread([pg] {
+                name_this_thread("rp-nccl-abort");
                 try {
                     pg->abort();
                 } catch (...) {

@@ -2,9 +2,21 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
+
+#include "base/thread_name.h"
 
 namespace rp {
 namespace {
+
+// rp-cuda0, rp-cpu: the worker's thread name; its uploader's adds "-up".
+std::string worker_thread_name(const at::Device &device) {
+    std::string name = "rp-";
+    name += device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : "dev";
+    if (device.has_index())
+        name += std::to_string(device.index());
+    return name;
+}
 
 // RP_UPLOAD_THREAD=0 enqueues the next job's upload on the worker, before the job at hand, as
 // before the uploader existed: to measure what the uploader gives.
@@ -55,6 +67,7 @@ std::future<void> DeviceWorker::upload(std::function<void()> prefetch) {
 }
 
 void DeviceWorker::upload_loop() {
+    name_this_thread(worker_thread_name(lane_->device()) + "-up");
     lane_->enter();
     for (;;) {
         std::packaged_task<void()> task;
@@ -71,6 +84,7 @@ void DeviceWorker::upload_loop() {
 }
 
 void DeviceWorker::loop() {
+    name_this_thread(worker_thread_name(lane_->device()));
     lane_->enter();
     for (;;) {
         StageJob job;

@@ -7,6 +7,7 @@
 
 #include "base/error.h"
 #include "base/host_threads.h"
+#include "base/thread_name.h"
 #include "engine/data_parallel.h"
 #include "optim/bf16_convert.h"
 
@@ -346,6 +347,7 @@ void GradAccumulator::reduce_one(std::unique_lock<std::mutex> &lock) {
 }
 
 void GradAccumulator::loop() {
+    name_this_thread("rp-gradients"); // before its OpenMP team exists: the team inherits it
     // The accumulation's parallel loops are OpenMP teams of this thread (host_threads.h).
     use_host_threads(nullptr);
     for (;;) {

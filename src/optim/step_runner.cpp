@@ -5,6 +5,7 @@
 
 #include "base/host_threads.h"
 #include "base/log.h"
+#include "base/thread_name.h"
 
 namespace rp {
 
@@ -40,6 +41,7 @@ std::exception_ptr StepRunner::take_error() {
 }
 
 void StepRunner::loop() {
+    name_this_thread("rp-optimizer"); // before its OpenMP team exists: the team inherits it
     // The optimizer's parallel loops are OpenMP teams started from this thread only; their size
     // is set here (host_threads.h says how it is chosen). The CPU optimizer shares host memory
     // bandwidth and cores with the weight uploads, the gradient thread and the device workers'

@@ -2,7 +2,10 @@
 // which thread: every job runs, in queue order, on the worker thread; each job after the first
 // has its weight upload run before it, on the uploader thread, in job order; a job's upload runs
 // while the job before it is still running (the worker no longer enqueues an upload before the
-// compute of the job at hand); a job whose upload is not ready does its own, on the worker.
+// compute of the job at hand); a job whose upload is not ready does its own, on the worker. The
+// two threads carry the names thread_name.h gives them (rp-cpu, rp-cpu-up on a CPU device).
+#include <pthread.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -49,7 +52,14 @@ class NoLane final : public rp::DeviceLane { // nothing is ever transferred here
 struct Event {
     std::string what; // "prefetch N" or "run N"
     std::thread::id thread;
+    std::string thread_name;
 };
+
+std::string this_thread_name() {
+    char name[16] = {};
+    pthread_getname_np(pthread_self(), name, sizeof(name));
+    return name;
+}
 
 struct Log {
     std::mutex mutex;
@@ -59,7 +69,7 @@ struct Log {
 
     void add(const std::string &what) {
         std::lock_guard<std::mutex> lock(mutex);
-        events.push_back({what, std::this_thread::get_id()});
+        events.push_back({what, std::this_thread::get_id(), this_thread_name()});
         changed.notify_all();
     }
     size_t index_of(const std::string &what) {
@@ -123,6 +133,9 @@ void uploads_run_beside_the_job_before_in_order() {
     check(worker_thread != uploader_thread, "uploads after the first run on their own thread");
     check(log.events[log.index_of("prefetch 0")].thread == worker_thread,
           "the first job's upload runs on the worker");
+    check(log.events[log.index_of("run 0")].thread_name == "rp-cpu", "the worker is rp-cpu");
+    check(log.events[log.index_of("prefetch 1")].thread_name == "rp-cpu-up",
+          "the uploader is rp-cpu-up");
     for (size_t k = 0; k < n; ++k) {
         const std::string run = "run " + std::to_string(k), pre = "prefetch " + std::to_string(k);
         check(log.index_of(pre) < log.index_of(run), "job " + std::to_string(k) + "'s upload first");
