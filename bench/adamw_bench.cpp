@@ -8,6 +8,8 @@
 //               written (streamed) and the gradient zeroed in the pass (22 bytes per parameter)
 //   bf16_live   the weight copy written but the gradient left alone (20 bytes): a lent download,
 //               which goes back to the staging pool and needs no zeroing
+//   bf16_pinned bf16_live with the gradient in page-locked memory from libtorch's pinned
+//               allocator, where an in-call step reads the downloads (needs CUDA; skipped without)
 //   copy        a plain memcpy split over the same threads, for the achievable bytes/s
 //   step        the standard mode's step for a bf16 model as three passes: rp::adamw_update,
 //               then the bf16 weight copy (a tensor copy of the master) and the gradient zeroed
@@ -45,6 +47,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
 
@@ -56,7 +59,7 @@ struct Options {
     int64_t params = 250000000;
     int64_t tensors = 16;
     int reps = 5, warmup = 1, threads = 0;
-    std::vector<std::string> variants = {"ours",  "fused",   "torch",   "bf16", "bf16_publish", "bf16_live", "copy",
+    std::vector<std::string> variants = {"ours",  "fused",   "torch",   "bf16", "bf16_publish", "bf16_live", "bf16_pinned", "copy",
                                          "step",  "publish", "widened", "lent", "lent_cached",
                                          "tied_widened", "tied_lent"};
     std::string label;
@@ -65,7 +68,7 @@ struct Options {
 [[noreturn]] void usage(const char *argv0, const std::string &why) {
     std::fprintf(stderr,
                  "%s\nusage: %s [--params N (e.g. 2.5e8)] [--tensors N] [--reps N] [--warmup N]"
-                 " [--threads N]\n  [--variants ours,fused,torch,bf16,bf16_publish,bf16_live,copy,step,publish,\n  widened,lent,\n  lent_cached,tied_widened,tied_lent (order"
+                 " [--threads N]\n  [--variants ours,fused,torch,bf16,bf16_publish,bf16_live,bf16_pinned,copy,step,publish,\n  widened,lent,\n  lent_cached,tied_widened,tied_lent (order"
                  " of the runs)] [--label TEXT]\n",
                  why.c_str(), argv0);
     std::exit(2);
@@ -213,11 +216,19 @@ Timing time_torch_adamw(const Options &o, Arrays &a) {
 
 // Its own bf16 gradient and moments, so the fp32 variants' state is untouched.
 // `live`: also write a bf16 weight copy; `zero_grad`: zero the gradient as it is read (the
-// gradient then stays zero after the first rep: the work per element is the same).
-Timing time_bf16_state(const Options &o, Arrays &a, bool live = false, bool zero_grad = false) {
+// gradient then stays zero after the first rep: the work per element is the same); `pinned`:
+// the gradient in page-locked memory (libtorch's pinned allocator, as the engine's downloads).
+Timing time_bf16_state(const Options &o, Arrays &a, bool live = false, bool zero_grad = false,
+                       bool pinned = false) {
+    if (pinned && !at::hasCUDA()) {
+        progress("bf16_pinned: skipped (no CUDA, so no page-locked memory)");
+        return {NAN, NAN};
+    }
     std::vector<at::Tensor> G16, M16, V16, W16;
     for (const at::Tensor &g : a.G) {
-        G16.push_back(g.to(at::kBFloat16));
+        G16.push_back(pinned ? at::empty(g.sizes(), g.options().dtype(at::kBFloat16).pinned_memory(true))
+                                   .copy_(g)
+                             : g.to(at::kBFloat16));
         M16.push_back(at::zeros_like(g, at::kBFloat16));
         V16.push_back(at::zeros_like(g, at::kBFloat16));
         W16.push_back(live ? at::zeros_like(g, at::kBFloat16) : at::Tensor());
@@ -227,6 +238,7 @@ Timing time_bf16_state(const Options &o, Arrays &a, bool live = false, bool zero
     };
     int64_t step = 0;
     const std::string name = live ? (zero_grad ? "bf16 state, weight copy, gradient zeroed"
+                                     : pinned  ? "bf16 state, weight copy, page-locked gradient"
                                                : "bf16 state, weight copy")
                                   : "bf16 state (rp::adamw_update_bf16_state)";
     return time_it(name.c_str(), o.warmup, o.reps, [&] {
@@ -371,7 +383,7 @@ Timing time_tied_gradient(const Options &o, Arrays &a, bool lent) {
 
 struct Timings {
     Timing ours{NAN, NAN}, fused{NAN, NAN}, torch_adamw{NAN, NAN}, copy{NAN, NAN}, bf16{NAN, NAN},
-        bf16_publish{NAN, NAN}, bf16_live{NAN, NAN}, step{NAN, NAN}, publish{NAN, NAN}, widened{NAN, NAN}, lent{NAN, NAN},
+        bf16_publish{NAN, NAN}, bf16_live{NAN, NAN}, bf16_pinned{NAN, NAN}, step{NAN, NAN}, publish{NAN, NAN}, widened{NAN, NAN}, lent{NAN, NAN},
         lent_cached{NAN, NAN}, tied_widened{NAN, NAN}, tied_lent{NAN, NAN};
 };
 
@@ -404,6 +416,7 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         "\"bf16_state_ms\":%.3f,\"bf16_state_gparams_per_s\":%.3f,"
         "\"bf16_state_speedup_vs_fused\":%.4f,"
         "\"bf16_publish_ms\":%.3f,\"bf16_live_ms\":%.3f,\"bf16_live_speedup_vs_publish\":%.4f,"
+        "\"bf16_pinned_ms\":%.3f,\"bf16_pinned_slowdown_vs_live\":%.4f,"
         "\"standard_step_ms\":%.3f,\"publish_ms\":%.3f,\"publish_speedup_vs_step\":%.4f,"
         "\"widened_ms\":%.3f,\"lent_ms\":%.3f,\"lent_speedup_vs_widened\":%.4f,"
         "\"lent_cached_ms\":%.3f,\"streaming_speedup\":%.4f,"
@@ -417,7 +430,8 @@ void print_report(const Options &o, int threads, const Timings &t, double max_di
         t.torch_adamw.median_ms / t.ours.median_ms, gbps(t.ours) / copy_gbps,
         gbps(t.fused) / copy_gbps, t.bf16.median_ms, gparams(t.bf16),
         t.fused.median_ms / t.bf16.median_ms, t.bf16_publish.median_ms, t.bf16_live.median_ms,
-        t.bf16_publish.median_ms / t.bf16_live.median_ms, t.step.median_ms, t.publish.median_ms,
+        t.bf16_publish.median_ms / t.bf16_live.median_ms, t.bf16_pinned.median_ms,
+        t.bf16_pinned.median_ms / t.bf16_live.median_ms, t.step.median_ms, t.publish.median_ms,
         t.step.median_ms / t.publish.median_ms, t.widened.median_ms, t.lent.median_ms,
         t.widened.median_ms / t.lent.median_ms, t.lent_cached.median_ms,
         t.lent_cached.median_ms / t.lent.median_ms, t.tied_widened.median_ms,
@@ -454,6 +468,8 @@ int main(int argc, char **argv) {
             t.bf16_publish = time_bf16_state(o, a, true, true);
         else if (variant == "bf16_live")
             t.bf16_live = time_bf16_state(o, a, true, false);
+        else if (variant == "bf16_pinned")
+            t.bf16_pinned = time_bf16_state(o, a, true, false, true);
         else if (variant == "copy")
             t.copy = time_copy(o, a);
         else if (variant == "step")
