@@ -2,6 +2,7 @@
 
 #include <roundpipe.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -195,30 +196,36 @@ void ask_plan_and_trace(RoundPipeRun &r, const Session &sess) {
     RP_CHECK(rp_model_backward_stage_plan(r.backward_plan.data(), &stages, stages, sess.model.m));
 }
 
-// The same calls without an optimizer step in flight. Each starts from zeroed gradients, as in
-// the timed loop (one call per step): calls that add to earlier gradients take another path in
-// the engine (their contributions are held back until the call succeeds). Then the optimizer
-// step alone: a synchronous rp_step returns once the update, the model-dtype copy of the new
-// weights and the gradient reset are done.
+// The same calls without an optimizer step in flight, and the optimizer step alone. Each call
+// starts from zeroed gradients, as in the timed loop (one call per step): calls that add to
+// earlier gradients take another path in the engine (their contributions are held back until the
+// call succeeds). Each timed step follows a call, so it updates every parameter from that call's
+// gradients: a step after a step has no gradients, updates nothing and only finishes the weight
+// copies, which took half a real step's time (bench/RESULTS.md, round 25, where steps 2 and 3 of
+// three in a row had been timed that way). A synchronous rp_step returns once the update, the
+// model-dtype copy of the new weights and the gradient reset are done.
 void isolated_phases(RoundPipeRun &r, Session &sess, const Options &o) {
     RP_CHECK(rp_synchronize(sess.model.m));
     if (sess.in_call) // the phases apart: the call without its step, then the step alone
         sess.set_step_in_call(false);
-    for (int i = 0; i < o.fb_only_steps; ++i) {
+    for (int i = 0; i < std::max(o.fb_only_steps, o.opt_steps); ++i) {
         RP_CHECK(rp_zero_grad(sess.model.m));
         auto t0 = Clock::now();
         sess.fb();
-        r.fb_only_ms.push_back(ms_since(t0));
-        progress("roundpipe forward_backward alone " + std::to_string(i + 1) + "/" +
-                 std::to_string(o.fb_only_steps) + ": " + std::to_string(r.fb_only_ms.back()) +
-                 " ms");
-    }
-    for (int i = 0; i < o.opt_steps; ++i) {
-        auto t0 = Clock::now();
-        sess.step(false);
-        r.opt_ms.push_back(ms_since(t0));
-        progress("roundpipe optimizer step alone " + std::to_string(i + 1) + "/" +
-                 std::to_string(o.opt_steps) + ": " + std::to_string(r.opt_ms.back()) + " ms");
+        const double fb_ms = ms_since(t0);
+        if (i < o.fb_only_steps) {
+            r.fb_only_ms.push_back(fb_ms);
+            progress("roundpipe forward_backward alone " + std::to_string(i + 1) + "/" +
+                     std::to_string(o.fb_only_steps) + ": " + std::to_string(fb_ms) + " ms");
+        }
+        if (i < o.opt_steps) {
+            auto t1 = Clock::now();
+            sess.step(false);
+            r.opt_ms.push_back(ms_since(t1));
+            progress("roundpipe optimizer step alone " + std::to_string(i + 1) + "/" +
+                     std::to_string(o.opt_steps) + ": " + std::to_string(r.opt_ms.back()) +
+                     " ms");
+        }
     }
     RP_CHECK(rp_synchronize(sess.model.m));
 }
