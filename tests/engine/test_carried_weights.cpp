@@ -2,23 +2,12 @@
 // for the same parameters, while each one's live tensor is the very tensor uploaded, and under
 // the weights version the upload expected. Each case changes one of those from a matching
 // record, so a rule that ignores any of them fails here.
-#include <cstdio>
 #include <vector>
 
 #include "engine/carried_weights.h"
+#include "engine_check.h"
 
-namespace {
-
-int failures = 0;
-
-void check(bool ok, const char *what) {
-    if (!ok) {
-        std::printf("FAILED: %s\n", what);
-        ++failures;
-    }
-}
-
-} // namespace
+using engine_test::check;
 
 int main() {
     const at::Tensor a = at::ones({4}), b = at::ones({2, 3});
@@ -44,8 +33,5 @@ int main() {
     empty.transfer.tensors.clear();
     check(!rp::carried_weights_match(empty, params, {a, b}, 7), "nothing uploaded");
 
-    if (failures)
-        return 1;
-    std::printf("carried weights: all passed\n");
-    return 0;
+    return engine_test::finish("carried weights");
 }

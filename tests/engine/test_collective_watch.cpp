@@ -7,22 +7,15 @@
 //  - scans closer together than kScanInterval report nothing, the next one does.
 // Links src/engine/collective_watch.cpp directly (not exported by the library).
 #include <chrono>
-#include <cstdio>
 #include <stdexcept>
 #include <string>
 
 #include "engine/collective_watch.h"
+#include "engine_check.h"
 
 namespace {
 
-int failures = 0;
-
-void check(bool ok, const std::string &what) {
-    if (ok)
-        return;
-    std::printf("FAILED: %s\n", what.c_str());
-    ++failures;
-}
+using engine_test::check;
 
 struct FakeWork : c10d::Work {
     bool completed = false;
@@ -120,7 +113,5 @@ int main() {
     completed_ones_leave_pending_ones_stay();
     overdue_and_failed_ones_are_reported_and_kept();
     scans_are_spaced();
-    if (failures == 0)
-        std::printf("collective watch: all checks passed\n");
-    return failures == 0 ? 0 : 1;
+    return engine_test::finish("collective watch");
 }

@@ -4,28 +4,20 @@
 // while the job before it is still running (the worker no longer enqueues an upload before the
 // compute of the job at hand); a job whose upload is not ready does its own, on the worker. The
 // two threads carry the names thread_name.h gives them (rp-cpu, rp-cpu-up on a CPU device).
-#include <pthread.h>
-
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "engine/device_worker.h"
+#include "engine_check.h"
 
 namespace {
 
-int failures = 0;
-
-void check(bool ok, const std::string &what) {
-    if (!ok) {
-        std::printf("FAILED: %s\n", what.c_str());
-        ++failures;
-    }
-}
+using engine_test::check;
+using engine_test::this_thread_name;
 
 class NoLane final : public rp::DeviceLane { // nothing is ever transferred here
   public:
@@ -55,11 +47,6 @@ struct Event {
     std::string thread_name;
 };
 
-std::string this_thread_name() {
-    char name[16] = {};
-    pthread_getname_np(pthread_self(), name, sizeof(name));
-    return name;
-}
 
 struct Log {
     std::mutex mutex;
@@ -174,10 +161,5 @@ void an_upload_not_ready_is_left_to_its_job() {
 int main() {
     uploads_run_beside_the_job_before_in_order();
     an_upload_not_ready_is_left_to_its_job();
-    if (failures) {
-        std::printf("%d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("device worker: all checks passed\n");
-    return 0;
+    return engine_test::finish("device worker");
 }

@@ -3,33 +3,16 @@
 // OpenMP team started by a named thread carries the name, which is what lets the benchmark's
 // per-thread CPU time account the optimizer's team to rp-optimizer.
 #include <omp.h>
-#include <pthread.h>
 
-#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "base/thread_name.h"
+#include "engine_check.h"
 
-namespace {
-
-int failures = 0;
-
-void check(bool ok, const std::string &what) {
-    if (!ok) {
-        std::printf("FAILED: %s\n", what.c_str());
-        ++failures;
-    }
-}
-
-std::string this_thread_name() {
-    char name[16] = {};
-    pthread_getname_np(pthread_self(), name, sizeof(name));
-    return name;
-}
-
-} // namespace
+using engine_test::check;
+using engine_test::this_thread_name;
 
 int main() {
     const std::string main_name = this_thread_name();
@@ -57,10 +40,5 @@ int main() {
         check(team[static_cast<size_t>(i)] == "rp-optimizer",
               "team member " + std::to_string(i) + " carries the name (got " +
                   team[static_cast<size_t>(i)] + ")");
-    if (failures) {
-        std::printf("%d check(s) failed\n", failures);
-        return 1;
-    }
-    std::printf("thread names: all checks passed\n");
-    return 0;
+    return engine_test::finish("thread names");
 }
