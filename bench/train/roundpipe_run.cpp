@@ -45,8 +45,8 @@ RunConfigPtr run_config(int64_t microbatches, const std::string &grain) {
     RP_CHECK(rp_run_config_create(&rc));
     RunConfigPtr guard(rc, rp_run_config_destroy);
     RP_CHECK(rp_run_config_set_num_microbatch(rc, static_cast<int32_t>(microbatches)));
-    RP_CHECK(rp_run_config_set_recompute_grain(
-        rc, grain == "layer" ? RP_GRAIN_LAYER : RP_GRAIN_STAGE));
+    RP_CHECK(
+        rp_run_config_set_recompute_grain(rc, grain == "layer" ? RP_GRAIN_LAYER : RP_GRAIN_STAGE));
     return guard;
 }
 
@@ -79,8 +79,7 @@ OptionsPtr bench_options(const Options &o) {
     const std::vector<int32_t> plan = o.plan_counts();
     if (!plan.empty())
         RP_CHECK(rp_model_options_set_stage_plan(mo.get(), plan.data(), plan.size()));
-    RP_CHECK(rp_model_options_set_run_config(mo.get(),
-                                             run_config(o.microbatches, o.grain).get()));
+    RP_CHECK(rp_model_options_set_run_config(mo.get(), run_config(o.microbatches, o.grain).get()));
     if (o.data_parallel)
         RP_CHECK(rp_model_options_set_data_parallel(mo.get(), -1, -1, "env://", 0));
     return mo;
@@ -175,8 +174,7 @@ void timed_loop(RoundPipeRun &r, Session &sess, const Options &o) {
         r.step_ms.push_back(ms_since(t1));
         progress("roundpipe step " + std::to_string(i + 1) + "/" + std::to_string(o.steps) +
                  ": forward_backward " + std::to_string(r.fb_ms.back()) + " ms, rp_step " +
-                 std::to_string(r.step_ms.back()) + " ms, loss " +
-                 std::to_string(r.losses.back()));
+                 std::to_string(r.step_ms.back()) + " ms, loss " + std::to_string(r.losses.back()));
     }
     r.loop_ms = ms_since(t_loop);
     r.loop_thread_cpu = thread_cpu_between(cpu_before, thread_cpu_by_name(), r.loop_ms);
@@ -223,8 +221,7 @@ void isolated_phases(RoundPipeRun &r, Session &sess, const Options &o) {
             sess.step(false);
             r.opt_ms.push_back(ms_since(t1));
             progress("roundpipe optimizer step alone " + std::to_string(i + 1) + "/" +
-                     std::to_string(o.opt_steps) + ": " + std::to_string(r.opt_ms.back()) +
-                     " ms");
+                     std::to_string(o.opt_steps) + ": " + std::to_string(r.opt_ms.back()) + " ms");
         }
     }
     RP_CHECK(rp_synchronize(sess.model.m));

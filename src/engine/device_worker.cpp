@@ -28,8 +28,8 @@ bool uploads_on_their_own_thread() {
 } // namespace
 
 DeviceWorker::DeviceWorker(std::unique_ptr<DeviceLane> lane)
-    : lane_(std::move(lane)), separate_uploads_(uploads_on_their_own_thread()), uploader_([this] { upload_loop(); }),
-      thread_([this] { loop(); }) {}
+    : lane_(std::move(lane)), separate_uploads_(uploads_on_their_own_thread()),
+      uploader_([this] { upload_loop(); }), thread_([this] { loop(); }) {}
 
 DeviceWorker::~DeviceWorker() {
     {

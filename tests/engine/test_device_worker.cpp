@@ -47,7 +47,6 @@ struct Event {
     std::string thread_name;
 };
 
-
 struct Log {
     std::mutex mutex;
     std::condition_variable changed;
@@ -125,7 +124,8 @@ void uploads_run_beside_the_job_before_in_order() {
           "the uploader is rp-cpu-up");
     for (size_t k = 0; k < n; ++k) {
         const std::string run = "run " + std::to_string(k), pre = "prefetch " + std::to_string(k);
-        check(log.index_of(pre) < log.index_of(run), "job " + std::to_string(k) + "'s upload first");
+        check(log.index_of(pre) < log.index_of(run),
+              "job " + std::to_string(k) + "'s upload first");
         check(log.events[log.index_of(run)].thread == worker_thread,
               "job " + std::to_string(k) + " runs on the worker");
         if (k > 0) {
@@ -151,8 +151,7 @@ void an_upload_not_ready_is_left_to_its_job() {
     check(log.index_of("run 1") < log.index_of("prefetch 2"),
           "a job whose upload is not ready uploads after the job before it");
     check(log.index_of("prefetch 2") < log.index_of("run 2"), "and before it runs");
-    check(log.events[log.index_of("prefetch 2")].thread ==
-              log.events[log.index_of("run 2")].thread,
+    check(log.events[log.index_of("prefetch 2")].thread == log.events[log.index_of("run 2")].thread,
           "on the worker, as part of the job");
 }
 

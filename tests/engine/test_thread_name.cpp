@@ -33,7 +33,8 @@ int main() {
         truncated = this_thread_name();
     }).join();
     check(named == "rp-optimizer", "the thread is named (got " + named + ")");
-    check(truncated == "abcdefghijklmno", "a long name keeps 15 characters (got " + truncated + ")");
+    check(truncated == "abcdefghijklmno",
+          "a long name keeps 15 characters (got " + truncated + ")");
     check(this_thread_name() == main_name, "the calling thread only");
     check(team_size == 4, "a team of four");
     for (int i = 0; i < team_size; ++i)
