@@ -541,16 +541,20 @@ void check_shapes(const std::vector<std::unique_ptr<Layer>> &layers, const Param
         std::vector<at::Tensor> params;
         for (size_t pi : store.layer_params(l))
             params.push_back(store.at(pi).live);
-        const at::IntArrayRef before = x.sizes();
-        std::string shape = c10::str(before);
-        std::string dtype = c10::toString(x.scalar_type());
         try {
-            x = layers[l]->forward(params, x, lc);
+            x = layers[l]->forward(params, x, lc); // x stays the layer's input if it throws
         } catch (const c10::Error &e) {
+            // Said with the microbatch's rows (every layer keeps dim 0 as the batch), not the
+            // emptied batch the check ran on, which the op's own message still shows as 0.
+            std::vector<int64_t> shape = x.sizes().vec();
+            if (!shape.empty() && in.dim() > 0)
+                shape[0] = in.size(0);
             const std::string layer = "layer " + std::to_string(l) + " (" + layers[l]->type() + ")";
-            fail(ErrorKind::InvalidArgument, layer + " cannot take an input of shape " + shape +
-                                                 " (batch dimension emptied) and dtype " + dtype +
-                                                 ": " + e.what_without_backtrace());
+            fail(ErrorKind::InvalidArgument,
+                 layer + " cannot take an input of shape " + c10::str(at::IntArrayRef(shape)) +
+                     " and dtype " + c10::toString(x.scalar_type()) +
+                     " (a microbatch; checked on an empty batch before anything ran): " +
+                     e.what_without_backtrace());
         }
     }
     if (!loss)

@@ -60,6 +60,12 @@ def test_bad_inputs_raise_and_leave_the_model_usable(model):
     with pytest.raises(RoundPipeError) as info:
         model(torch.randn(6, 5))  # wrong feature size
     assert info.value.status == Status.INVALID_ARGUMENT and info.value.message
+    # The shape is said with a microbatch's rows (6 rows in 3 microbatches), not the empty
+    # batch the engine checks on.
+    with pytest.raises(RoundPipeError) as info:
+        model.forward_backward((torch.randn(6, 5),), label=y, loss_fn=mse,
+                               run_config=RoundPipeRunConfig(num_microbatch=N_MB))
+    assert "layer 0 (linear) cannot take an input of shape [2, 5]" in info.value.message
     with pytest.raises(RoundPipeError):
         model.forward_backward((x,), label=torch.randn(6, 3), loss_fn="mse")  # label shape
     with pytest.raises(RoundPipeError):
@@ -154,6 +160,11 @@ def test_failing_loss_fn_raises_its_own_exception_and_model_stays_usable(model):
     assert info.value is raised
     with pytest.raises(TypeError):
         model.forward_backward((x,), label=y, loss_fn=lambda o, lab: "not a tensor")
+    # a loss that is not reduced: named with its shape (a microbatch of 2 rows, 4 outputs)
+    with pytest.raises(RuntimeError, match=r"scalar loss .* shape \[2, 4\]"):
+        model.forward_backward((x,), label=y, loss_fn=lambda o, lab: (o - lab) ** 2)
+    with pytest.raises(RuntimeError, match="scalar loss"):
+        model.forward_backward((x,), label=y, loss_fn=lambda o, lab: [mse(o, lab), o.sum(0)])
     # failing only on the last microbatch: nothing of the call may be accumulated
     calls = []
 

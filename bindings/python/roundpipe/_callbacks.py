@@ -99,6 +99,22 @@ class _CallbackScope:
 # ------------------------------------------------------------------------------------------------
 
 
+def loss_terms(result):
+    """The tensors a loss_fn returned (one, or a sequence whose terms add up), each checked to
+    hold one element: a loss that is not reduced would otherwise fail deep in autograd
+    ("grad can be implicitly created only for scalar outputs")."""
+    losses = [result] if isinstance(result, torch.Tensor) else list(result)
+    for loss in losses:
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("loss_fn must return a tensor or a sequence of tensors, got %s"
+                            % type(loss).__name__)
+        if loss.numel() != 1:
+            raise RuntimeError("loss_fn must return a scalar loss (one element), got a tensor of "
+                               "shape %s: reduce it, e.g. with .mean() or .sum()"
+                               % list(loss.shape))
+    return losses
+
+
 class LossCall:
     """One forward_backward with a Python loss_fn. `labels` is the per-microbatch list split by
     the binding, or None when the engine passes its own label pieces (or there is none)."""
@@ -115,12 +131,7 @@ class LossCall:
             outputs = outputs.to(device)
         with torch.enable_grad():
             outputs.requires_grad_(True)
-            result = self.fn(outputs, label)
-            losses = [result] if isinstance(result, torch.Tensor) else list(result)
-            for loss in losses:
-                if not isinstance(loss, torch.Tensor):
-                    raise TypeError("loss_fn must return a tensor or a sequence of tensors, "
-                                    "got %s" % type(loss).__name__)
+            losses = loss_terms(self.fn(outputs, label))
             value = sum(float(loss.detach().double().sum()) for loss in losses)
             with_grad = [loss for loss in losses if loss.requires_grad]
             if with_grad:

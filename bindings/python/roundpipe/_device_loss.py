@@ -10,7 +10,7 @@ floating output comes from torch.autograd.grad.
 import torch
 
 from . import _capi
-from ._callbacks import _CallbackScope, registry
+from ._callbacks import _CallbackScope, loss_terms, registry
 from ._dlpack import borrow, copy_borrowed, to_owned
 from ._python_layer import LayerCall, _push, owned_copy_if_lent
 
@@ -39,13 +39,8 @@ class DeviceLossCall:
             label = copy_borrowed(labels_ptr) if labels_ptr else None
         value = self.output_spec(lend.microbatch).unflatten(leaves)
         with torch.enable_grad():
-            result = self.fn(value, label)
-            losses = [result] if isinstance(result, torch.Tensor) else list(result)
-            for loss in losses:
-                if not isinstance(loss, torch.Tensor):
-                    raise TypeError("loss_fn must return a tensor or a sequence of tensors, "
-                                    "got %s" % type(loss).__name__)
-            total = sum(loss.reshape(()) if loss.numel() == 1 else loss for loss in losses)
+            losses = loss_terms(self.fn(value, label))
+            total = sum(loss.reshape(()) for loss in losses)
             wanted = [t for t in leaves if t.requires_grad]
             grads = torch.autograd.grad(total, wanted, allow_unused=True) \
                 if total.requires_grad and wanted else [None] * len(wanted)
