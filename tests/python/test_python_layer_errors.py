@@ -45,6 +45,8 @@ class Switchable(nn.Module):
             return out.to(torch.int64)
         if self.mode == "no_tensor":
             return None
+        if self.mode == "pair":
+            return out, out
         return out
 
 
@@ -101,6 +103,21 @@ def test_module_that_fails_names_the_layer(setup, mode):
         assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(RoundPipeError):
         model(batch[0])  # forward() reports it too
+    assert_intact(model, net, ref, batch)
+
+
+def test_a_tuple_spread_over_a_module_that_takes_one_argument_is_explained(setup):
+    # nn.Sequential would pass the pair as one argument; RoundPipe spreads it (upstream's rule),
+    # so layer 2's forward(x) gets two: the message says why.
+    model, net, ref, batch = setup
+    net[1].mode = "pair"
+    with pytest.raises(RoundPipeError) as info:
+        model.forward_backward(batch, label=batch[1], loss_fn=mse)
+    message = str(info.value)
+    assert "layer 2" in message and "positional argument" in message
+    assert "layer 1 returned a tuple of 2, which RoundPipe passes to layer 2 as 2 positional " \
+        "arguments" in message
+    assert isinstance(info.value.__cause__, TypeError)
     assert_intact(model, net, ref, batch)
 
 

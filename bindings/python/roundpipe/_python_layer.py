@@ -56,7 +56,9 @@ class LayerCallbackError(RoundPipeError):
     layer and the original exception, which is also ``__cause__``."""
 
     def __init__(self, where, exc):
-        super().__init__(Status.CALLBACK, "%s failed: %s: %s" % (where, type(exc).__name__, exc))
+        notes = "".join("; " + note for note in getattr(exc, "__notes__", ()))
+        super().__init__(Status.CALLBACK, "%s failed: %s: %s%s" % (where, type(exc).__name__,
+                                                                   exc, notes))
         self.__cause__ = exc
 
 
@@ -265,6 +267,16 @@ class PythonLayer:
         # them); anything else is its one argument.
         return (value if type(value) is tuple else (value,)), {}
 
+    def _note_tuple_arguments(self, exc, args):
+        """On a TypeError from a module that got a tuple spread over its positional arguments
+        (the likely cause: nn.Sequential would have passed the tuple as one argument), a note
+        saying so, which LayerCallbackError's message carries."""
+        if self.first or self.after_builtin or len(args) < 2 or not hasattr(exc, "add_note"):
+            return
+        exc.add_note("layer %d returned a tuple of %d, which RoundPipe passes to layer %d as %d "
+                     "positional arguments, as upstream's Sequential does, where nn.Sequential "
+                     "passes it as one" % (self.index - 1, len(args), self.index, len(args)))
+
     def forward(self, out_outputs, inout_context, call_ptr, inputs, n_inputs):
         lend = LayerCall(call_ptr)
         with lend.on_device():  # clones, copies and exports too, not only the module's work
@@ -316,7 +328,11 @@ class PythonLayer:
             if grad:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ctx.pack,
                                                                              ctx.unpack))
-            result = functional_call(self.module, weights, args, kwargs, strict=False)
+            try:
+                result = functional_call(self.module, weights, args, kwargs, strict=False)
+            except TypeError as exc:
+                self._note_tuple_arguments(exc, args)
+                raise
         outputs, spec = flatten(result)
         if not outputs:
             raise TypeError("the module returned no tensor (%r); a layer must output at least "
