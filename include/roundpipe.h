@@ -1356,6 +1356,19 @@ RP_API rp_status rp_param_master(DLManagedTensor **out_tensor, rp_model *model, 
  */
 RP_API rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t index);
 
+/**
+ * Whether the gradient of parameter `index` received anything: inside a step callback, that
+ * step's gradient; elsewhere, the gradient accumulated since the last step. A training call
+ * that reached the parameter gives it one; so does an rp_param_grad view taken outside a step
+ * callback (it may be written through). A parameter with none is what torch.optim sees as a
+ * .grad of None: the built-in optimizers leave it alone (rp_step), and a step callback should
+ * too (the Python binding's step functions see .grad None there). 0 for frozen parameters and
+ * buffers, which have no gradient.
+ * @return RP_OK, RP_ERR_INVALID_ARGUMENT (NULL pointer, index out of range).
+ */
+RP_API rp_status rp_param_grad_received(int32_t *out_received, const rp_model *model,
+                                        size_t index);
+
 /* ---------------------------------------------------------------------------------------------
  * Weights on disk
  * ------------------------------------------------------------------------------------------- */

@@ -104,6 +104,16 @@ rp_status rp_param_grad(DLManagedTensor **out_tensor, rp_model *model, size_t in
     });
 }
 
+rp_status rp_param_grad_received(int32_t *out_received, const rp_model *model, size_t index) {
+    return guard([&] {
+        ModelCall hold(model);
+        require_arg(out_received, "out_received is NULL");
+        // Frozen parameters and buffers never have one (rp_param_grad refuses them).
+        *out_received =
+            param_of(model, index).trainable() && hold.model().grad_received(index) ? 1 : 0;
+    });
+}
+
 rp_status rp_model_save(rp_model *model, const char *path) {
     return guard([&] {
         ModelCall hold(model);
@@ -152,8 +162,8 @@ rp_status rp_model_load(rp_model *model, const char *path) {
             values[m.params().find(nt.name)] = nt.tensor;
         for (size_t i = 0; i < values.size(); ++i)
             if (!values[i].defined())
-                fail(ErrorKind::Io, std::string(path) + ": missing tensor \"" +
-                                        m.params().at(i).name + "\"");
+                fail(ErrorKind::Io,
+                     std::string(path) + ": missing tensor \"" + m.params().at(i).name + "\"");
         m.load_master(values);
     });
 }

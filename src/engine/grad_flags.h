@@ -27,6 +27,11 @@ class GradFlags {
         std::lock_guard<std::mutex> lock(mutex_);
         nonfinite_ = true;
     }
+    // Whether parameter `param` received a gradient since the last step (any thread).
+    bool has(size_t param) const {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return has_grad_[param] != 0;
+    }
     // At a step: what the step's gradients hold; the buffers the next calls fill start clean.
     Snapshot take() {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -38,7 +43,7 @@ class GradFlags {
     void clear() { take(); }
 
   private:
-    std::mutex mutex_;
+    mutable std::mutex mutex_;
     std::vector<uint8_t> has_grad_;
     bool nonfinite_ = false;
 };

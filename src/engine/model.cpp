@@ -544,12 +544,14 @@ void Model::run_step(const StepUpdate &update, const GradFlags::Snapshot &grads,
     // Whatever the update does, the weight copy and the gradient buffer are left ready for the
     // next call; the error (if any) is reported by the next waiting call.
     std::exception_ptr error;
+    running_step_grads_ = &grads.has_grad;
     try {
         if (step_may_proceed(grads, number))
             update(param_done, grads.has_grad);
     } catch (...) {
         error = std::current_exception();
     }
+    running_step_grads_ = nullptr;
     finish_unfinished(finished, number);
     if (error)
         std::rethrow_exception(error);
@@ -611,6 +613,12 @@ at::Tensor Model::exposed_grad(size_t i) {
     flags_.mark(i); // the view may be written through: the next step counts it as a gradient
     store_.materialize_grad(i);
     return store_.at(i).grad;
+}
+
+bool Model::grad_received(size_t i) const {
+    if (on_optimizer_thread() && running_step_grads_)
+        return (*running_step_grads_)[i] != 0;
+    return flags_.has(i);
 }
 
 BuiltinOptimizer &Model::builtin_optimizer(OptimizerKind kind) {

@@ -161,6 +161,10 @@ class Model {
     // callback (on the optimizer thread) the gradient of that step; elsewhere the one
     // accumulated since, a writable view, counted as a gradient.
     at::Tensor exposed_grad(size_t i);
+    // Whether parameter i's gradient received anything (a call reached it, or a view of it was
+    // handed out): inside a step callback, the gradient of that step; elsewhere, since the last
+    // step. A parameter without one is what torch.optim sees as .grad None.
+    bool grad_received(size_t i) const;
     // Host bytes of parameter state, built-in optimizer state included; `elements` receives the
     // parameter count.
     int64_t host_state_bytes(int64_t *elements) const;
@@ -320,6 +324,9 @@ class Model {
     std::unique_ptr<DataParallel> dp_; // before gradients_, whose thread uses it
     HostTimeline timeline_;
     GradFlags flags_{store_.size()};
+    // What the running step's gradients hold (run_step, on the optimizer thread; null between
+    // steps): a step callback's grad_received reads it, as flags_ already serves the next step.
+    const std::vector<uint8_t> *running_step_grads_ = nullptr;
     GradAccumulator gradients_{store_, flags_, timeline_};
     std::unique_ptr<BuiltinOptimizer> builtin_;
     std::optional<OptimizerSettings> in_call_; // in-call steps' settings; none: explicit steps

@@ -291,6 +291,72 @@ static void step_callback_with_hand_written_sgd_equals_builtin_sgd(void **state)
     }
 }
 
+/* rp_param_grad_received inside a step callback: what the step's own gradients hold. */
+typedef struct received_ctx {
+    size_t count;
+    int32_t received[16]; /* per parameter, as the callback saw it */
+    int query_error;
+} received_ctx;
+
+static int32_t record_received(rp_model *model, void *user_data) {
+    received_ctx *c = user_data;
+    for (size_t i = 0; i < c->count; ++i)
+        if (rp_param_grad_received(&c->received[i], model, i) != RP_OK)
+            c->query_error = 1;
+    return 0;
+}
+
+static void assert_all_received(const rp_model *model, size_t count, int32_t want,
+                                const char *when) {
+    for (size_t i = 0; i < count; ++i) {
+        int32_t got = -1;
+        TS_OK(rp_param_grad_received(&got, model, i));
+        if (got != want)
+            fail_msg("%s: parameter %zu received %d, want %d", when, i, (int)got, (int)want);
+    }
+}
+
+/* Whether a gradient received anything, as the header says: nothing before a call; every
+ * parameter after a call that reached it; inside a step callback that step's gradients, while
+ * outside the next step's start empty; a gradient view taken outside a step counts (it may be
+ * written through); bad arguments are refused. */
+static void grad_received_says_what_each_step_has(void **state) {
+    (void)state;
+    rp_model *model = ts_model(SPEC, 57, 1, NULL, 0);
+    rp_loss *mse = NULL;
+    TS_OK(rp_loss_create(&mse, RP_LOSS_MSE));
+    received_ctx ctx = {0};
+    TS_OK(rp_param_count(&ctx.count, model));
+    assert_true(ctx.count > 2 && ctx.count <= 16);
+    assert_all_received(model, ctx.count, 0, "before any call");
+    run_fb(model, mse, 2, RP_OK);
+    assert_all_received(model, ctx.count, 1, "after a call");
+    TS_OK(rp_step_callback(model, record_received, &ctx, 0));
+    assert_false(ctx.query_error);
+    for (size_t i = 0; i < ctx.count; ++i)
+        assert_int_equal(ctx.received[i], 1);
+    assert_all_received(model, ctx.count, 0, "after the step");
+    /* A step with no call before it: its callback sees no gradient. */
+    TS_OK(rp_step_callback(model, record_received, &ctx, 0));
+    for (size_t i = 0; i < ctx.count; ++i)
+        assert_int_equal(ctx.received[i], 0);
+    /* A view taken outside a step: that parameter only. */
+    DLManagedTensor *g = NULL;
+    TS_OK(rp_param_grad(&g, model, 1));
+    ts_free(g);
+    for (size_t i = 0; i < ctx.count; ++i) {
+        int32_t got = -1;
+        TS_OK(rp_param_grad_received(&got, model, i));
+        assert_int_equal(got, i == 1 ? 1 : 0);
+    }
+    int32_t got = 0;
+    TS_ERR(rp_param_grad_received(NULL, model, 0), RP_ERR_INVALID_ARGUMENT, "out_received");
+    TS_ERR(rp_param_grad_received(&got, model, ctx.count), RP_ERR_INVALID_ARGUMENT, "index|range");
+    TS_ERR(rp_param_grad_received(&got, NULL, 0), RP_ERR_INVALID_ARGUMENT, "model");
+    rp_loss_destroy(mse);
+    rp_model_destroy(model);
+}
+
 static void failing_sync_step_callback_is_callback_error_weights_as_left(void **state) {
     (void)state;
     rp_model *model = ts_model(SPEC, 54, 1, NULL, 0);
@@ -587,6 +653,7 @@ int main(void) {
         cmocka_unit_test(loss_callback_may_return_a_float64_gradient),
         cmocka_unit_test(failing_loss_callback_is_callback_error_and_accumulates_nothing),
         cmocka_unit_test(step_callback_with_hand_written_sgd_equals_builtin_sgd),
+        cmocka_unit_test(grad_received_says_what_each_step_has),
         cmocka_unit_test(failing_sync_step_callback_is_callback_error_weights_as_left),
         cmocka_unit_test(failing_async_step_callback_is_reported_by_next_synchronize_or_step),
         cmocka_unit_test(split_callback_reproducing_tensor_split_equals_default_split),

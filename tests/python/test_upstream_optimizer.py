@@ -238,3 +238,77 @@ def test_adam_refused_update_changes_nothing():
     for k in state["state"]:
         for key, v in state["state"][k].items():
             assert torch.equal(after["state"][k][key], v)
+
+
+class Gated(torch.nn.Module):
+    """`extra` is used only while `use_extra` is set: a parameter some steps do not reach, as
+    an expert of a mixture no token was routed to."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.use_extra = False
+
+    def forward(self, x):
+        y = torch.tanh(self.main(x))
+        return y + self.extra(y) if self.use_extra else y
+
+
+def gated_net():
+    torch.manual_seed(4)
+    return torch.nn.Sequential(Gated(), torch.nn.Linear(8, 4))
+
+
+def test_a_parameter_no_call_reached_has_no_grad_and_torch_optim_leaves_it_alone():
+    """torch autograd leaves .grad None on a parameter the backward did not reach, and
+    torch.optim.AdamW then skips it (no weight decay, no update from its moments): the step
+    function sees the same, so training matches plain PyTorch step for step."""
+    ref = gated_net()
+    module = copy.deepcopy(ref)
+    model = roundpipe.RoundPipe(module, devices=("cpu", 2))
+    opt = torch.optim.AdamW(model.optim_parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    seen = []
+
+    def step_fn():
+        seen.append([n for n, p in model.optim_named_parameters() if p.grad is None])
+        opt.step()
+        opt.zero_grad()
+
+    for it, use_extra in enumerate([True, False, False, True]):
+        module[0].use_extra = ref[0].use_extra = use_extra
+        x, y = data(it)
+        model.forward_backward((x,), label=y, loss_fn=lambda o, l: mse(o, l) / N_MB)
+        model.step(step_fn, is_async=False)
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.optim_named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, name=name, it=it: "%s, step %d: %s"
+                                       % (name, it, m))
+    unreached = ["0.extra.weight", "0.extra.bias"]
+    assert seen == [[], unreached, unreached, []]
+    assert len(opt.state) == len(ref_opt.state) == 6
+    model.close()
+
+
+def test_synchronize_gives_no_grad_to_a_parameter_no_call_reached():
+    """After synchronize() the module's .grad is None where no call reached the parameter,
+    as autograd leaves it, and the views synchronize() hands out do not make the next built-in
+    step update it (hand-checked: unchanged, bit for bit)."""
+    module = gated_net()
+    model = roundpipe.RoundPipe(module, devices=("cpu", 2))
+    x, y = data(0)
+    model.forward_backward((x,), label=y, loss_fn=mse)  # use_extra unset: `extra` not reached
+    model.synchronize()
+    assert module[0].extra.weight.grad is None and module[0].extra.bias.grad is None
+    assert module[0].main.weight.grad is not None
+    before = {n: p.detach().clone() for n, p in model.optim_named_parameters()}
+    model.step(roundpipe.optim.AdamW(lr=1e-2, weight_decay=0.1), is_async=False)
+    after = dict(model.optim_named_parameters())
+    for name in ("0.extra.weight", "0.extra.bias"):
+        assert torch.equal(after[name].detach(), before[name]), name
+    assert not torch.equal(after["0.main.weight"].detach(), before["0.main.weight"])
+    model.close()

@@ -461,8 +461,8 @@ def _declare_params(fn):
 
 
 def _declare_layers(fn):
-    """Caller-defined layers, device losses, tensor lists the caller fills, parameter kinds:
-    declared with `fn` of _declare."""
+    """Caller-defined layers, device losses, tensor lists the caller fills, parameter kinds,
+    which gradients were received: declared with `fn` of _declare."""
     P = POINTER
     st = _STATUS  # rp_status: c_int checked by _status_check
 
@@ -491,6 +491,7 @@ def _declare_layers(fn):
        [P(rp_model_p), c_char_p, P(rp_layer_def_p), c_size_t,
         rp_model_options_p])                                         # rp_status rp_model_create_with_layers(rp_model **out_model, const char *spec_json, const rp_layer_def *const *defs, size_t n_defs, const rp_model_options *options);
     fn("rp_param_kind_of", st, [P(c_int32), c_void_p, c_size_t])     # rp_status rp_param_kind_of(int32_t *out_kind, const rp_model *model, size_t index);
+    fn("rp_param_grad_received", st, [P(c_int32), c_void_p, c_size_t])  # rp_status rp_param_grad_received(int32_t *out_received, const rp_model *model, size_t index);
 
 
 # Marker for "returns rp_status" in _declare (c_int32 is c_int, so the type cannot tell).

@@ -459,12 +459,17 @@ class Params:
             return items
 
     def attach_grads(self, model_ptr):
-        """.grad of every parameter := a fresh view of the engine's gradient."""
+        """.grad of every parameter := a fresh view of the engine's gradient, or None where it
+        received none (no call reached the parameter), as torch autograd leaves it: torch.optim
+        then leaves the parameter alone, as the built-in optimizers do."""
         L = lib()
         items = self.build(model_ptr)
         for (_, p), train, i in zip(items, self.trainable, self.indices):
             if not train:
                 continue  # frozen: no gradient exists
+            if not grad_received(model_ptr, i):
+                p.grad = None
+                continue
             grad = from_owned(query(L.rp_param_grad, model_ptr, i, ctype=c_void_p))
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
 
@@ -482,6 +487,16 @@ class Params:
     def record_step_exception(self, exc):
         if self.step_exc is None:
             self.step_exc = exc
+
+
+def grad_received(model_ptr, index):
+    """Whether the gradient of tensor `index` received anything (``rp_param_grad_received``:
+    inside a step function, that step's; elsewhere, since the last step). Asked before any
+    gradient view is taken outside a step, since a view counts as a gradient. Always true for a
+    library from before the query."""
+    if not hasattr(lib(), "rp_param_grad_received"):
+        return True
+    return bool(query(lib().rp_param_grad_received, model_ptr, index, ctype=c_int32))
 
 
 def param_kind(model_ptr, index):

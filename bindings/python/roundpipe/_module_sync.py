@@ -4,8 +4,9 @@ Upstream's synchronize() leaves the model's parameters at the latest weights and
 the accumulated gradients, so that ``torch.save(model.model.state_dict())`` saves the trained
 model. Here every engine tensor (trainable and frozen parameters, buffers; ``rp_param_kind_of``
 says which) is copied into the module tensor it came from, and each trainable parameter's
-gradient into that parameter's .grad. Frozen parameters do not change in training, so the
-caller may skip them (a LoRA model's frozen base is nearly all of it).
+gradient into that parameter's .grad (None where no call reached it, as autograd leaves it).
+Frozen parameters do not change in training, so the caller may skip them (a LoRA model's frozen
+base is nearly all of it).
 """
 
 from ctypes import c_char_p, c_size_t, c_void_p
@@ -15,7 +16,7 @@ import torch
 from . import _capi
 from ._capi import lib
 from ._dlpack import from_owned
-from ._internals import param_kind, query
+from ._internals import grad_received, param_kind, query
 
 
 def module_tensors(module):
@@ -47,6 +48,9 @@ def copy_into_module(model_ptr, module, names, frozen=True):
             value = from_owned(query(L.rp_param_master, model_ptr, i, ctype=c_void_p))
             target.copy_(value.to(device=target.device, dtype=target.dtype))
             if kind != _capi.RP_PARAM_TRAINABLE:
+                continue
+            if not grad_received(model_ptr, i):  # no call reached it: None, as autograd leaves it
+                target.grad = None
                 continue
             grad = from_owned(query(L.rp_param_grad, model_ptr, i, ctype=c_void_p))
             target.grad = grad.to(device=target.device, dtype=target.dtype, copy=True)

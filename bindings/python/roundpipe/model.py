@@ -644,8 +644,9 @@ class RoundPipe(WeightsMixin):
         """(name, Parameter) for every parameter: torch Parameters sharing memory with the
         engine's master weights (fp32 unless optim_dtype says otherwise). Inside a step
         function their .grad is that step's gradient; after synchronize() it is the gradient
-        accumulated since the last step. Read or write them only inside a step function or
-        after synchronize(). Names are "<layer>.<name>" ("0.weight"). A gradient whose engine
+        accumulated since the last step; None for a parameter no call reached (as autograd
+        leaves it), which torch.optim then skips. Read or write them only inside a step function
+        or after synchronize(). Names are "<layer>.<name>" ("0.weight"). A gradient whose engine
         dtype differs from the parameter's (bf16 gradients with ``host_memory="saving"``) is
         given as a copy in the parameter's dtype: a view otherwise."""
         self._model.handle  # raises when closed

@@ -886,6 +886,12 @@ rp_param_grad(out_tensor, model, index) =
           (Ptr{Ptr{DLManagedTensor}}, Ptr{rp_model}, Csize_t),
           out_tensor, model, index)
 
+# rp_status rp_param_grad_received(int32_t *out_received, const rp_model *model, size_t index);
+rp_param_grad_received(out_received, model, index) =
+    ccall((:rp_param_grad_received, libroundpipe()), rp_status,
+          (Ptr{Int32}, Ptr{rp_model}, Csize_t),
+          out_received, model, index)
+
 # rp_status rp_model_save(rp_model *model, const char *path);
 rp_model_save(model, path) =
     ccall((:rp_model_save, libroundpipe()), rp_status,

@@ -706,6 +706,11 @@ extern "C" {
         model: *mut rp_model,
         index: usize,
     ) -> rp_status;
+    pub fn rp_param_grad_received(
+        out_received: *mut i32,
+        model: *const rp_model,
+        index: usize,
+    ) -> rp_status;
 
     // Weights on disk
     pub fn rp_model_save(model: *mut rp_model, path: *const c_char) -> rp_status;
