@@ -32,6 +32,18 @@ def mse(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
+def step_both(model, step_fn, ref, ref_opt, it):
+    """Iteration `it` on both sides: the model's call (mse / N_MB per microbatch, so its sum is
+    plain PyTorch's mean over the batch) and synchronous step_fn; plain PyTorch's backward and
+    step."""
+    x, y = data(it)
+    model.forward_backward((x,), label=y, loss_fn=lambda o, l: mse(o, l) / N_MB)
+    model.step(step_fn, is_async=False)
+    mse(ref(x), y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 @pytest.mark.parametrize("kwargs", [
     {},
     {"weight_decay": 0.01},
@@ -52,12 +64,7 @@ def test_adam_in_step_fn_matches_torch_adam(kwargs):
         optimizer.zero_grad()
 
     for it in range(5):
-        x, y = data(it)
-        model.forward_backward((x,), label=y, loss_fn=lambda o, l: mse(o, l) / N_MB)
-        model.step(step_fn, is_async=False)
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_both(model, step_fn, ref, ref_opt, it)
         for p, q in zip(model.optim_parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
     state = optimizer.state_dict()
@@ -278,12 +285,7 @@ def test_a_parameter_no_call_reached_has_no_grad_and_torch_optim_leaves_it_alone
 
     for it, use_extra in enumerate([True, False, False, True]):
         module[0].use_extra = ref[0].use_extra = use_extra
-        x, y = data(it)
-        model.forward_backward((x,), label=y, loss_fn=lambda o, l: mse(o, l) / N_MB)
-        model.step(step_fn, is_async=False)
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_both(model, step_fn, ref, ref_opt, it)
         for (name, p), q in zip(model.optim_named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL,
                                        msg=lambda m, name=name, it=it: "%s, step %d: %s"
