@@ -111,6 +111,15 @@ impl StepContext {
     pub fn grad(&mut self, index: usize) -> Result<DlTensor> {
         param_view(self.model, index, true)
     }
+
+    /// Whether this step's gradient of parameter `index` received anything: false for a
+    /// parameter no training call reached (and for frozen ones), which an update should leave
+    /// alone, as the built-in optimizers and `torch.optim` do.
+    pub fn grad_received(&self, index: usize) -> Result<bool> {
+        let mut received = 0i32;
+        check(unsafe { sys::rp_param_grad_received(&mut received, self.model, index) })?;
+        Ok(received != 0)
+    }
 }
 
 type StepFn = dyn FnOnce(&mut StepContext) -> std::result::Result<(), String> + Send;

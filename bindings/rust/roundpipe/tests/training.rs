@@ -391,3 +391,39 @@ fn saved_weights_load_into_another_model() {
         "same fp32 weights, same engine: identical outputs"
     );
 }
+
+#[test]
+fn step_context_says_which_gradients_the_step_received() {
+    let (x, y) = recipe_tensors();
+    let loss = Loss::new(LossKind::Mse).unwrap();
+    let mut model = example::create_model(example::SEED).unwrap();
+    // Each step records what its own gradients hold: every parameter after a call, none in a
+    // step with no call before it (the engine's step skips such parameters).
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    for with_call in [true, false] {
+        if with_call {
+            model
+                .forward_backward(&[&x], Some(&y), Some(&loss), None)
+                .unwrap();
+        }
+        let seen = seen.clone();
+        model
+            .step_with(
+                move |ctx| {
+                    let mut got = Vec::new();
+                    for i in 0..ctx.param_count().map_err(|e| e.to_string())? {
+                        got.push(ctx.grad_received(i).map_err(|e| e.to_string())?);
+                    }
+                    seen.lock().unwrap().push(got);
+                    Ok(())
+                },
+                false,
+            )
+            .unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    let count = model.param_count().unwrap();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0], vec![true; count], "after a call");
+    assert_eq!(seen[1], vec![false; count], "a step with no call before it");
+}
