@@ -159,8 +159,10 @@ def test_failing_loss_fn_raises_its_own_exception_and_model_stays_usable(model):
     with pytest.raises(Boom) as info:
         model.forward_backward((x,), label=y, loss_fn=bad)
     assert info.value is raised
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="got str"):
         model.forward_backward((x,), label=y, loss_fn=lambda o, lab: "not a tensor")
+    with pytest.raises(TypeError, match="got float"):  # not iterable: the same message
+        model.forward_backward((x,), label=y, loss_fn=lambda o, lab: 0.5)
     # a loss that is not reduced: named with its shape (a microbatch of 2 rows, 4 outputs)
     with pytest.raises(RuntimeError, match=r"scalar loss .* shape \[2, 4\]"):
         model.forward_backward((x,), label=y, loss_fn=lambda o, lab: (o - lab) ** 2)

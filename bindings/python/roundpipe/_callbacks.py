@@ -103,7 +103,8 @@ def loss_terms(result):
     """The tensors a loss_fn returned (one, or a sequence whose terms add up), each checked to
     hold one element: a loss that is not reduced would otherwise fail deep in autograd
     ("grad can be implicitly created only for scalar outputs")."""
-    losses = [result] if isinstance(result, torch.Tensor) else list(result)
+    losses = [result] if isinstance(result, torch.Tensor) else \
+        list(result) if isinstance(result, (tuple, list)) else [result]
     for loss in losses:
         if not isinstance(loss, torch.Tensor):
             raise TypeError("loss_fn must return a tensor or a sequence of tensors, got %s"
