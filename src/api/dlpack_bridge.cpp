@@ -3,9 +3,14 @@
 namespace rp {
 namespace {
 
+// "float64", "uint8", "bool", "float32 x 2 lanes"; the raw code for a kind DLPack added later.
 std::string dtype_name(DLDataType t) {
-    return "(code " + std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits, " +
-           std::to_string(t.lanes) + " lanes)";
+    static const char *const kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex"};
+    std::string name = t.code == kDLBool ? "bool"
+                       : t.code < 6      ? kinds[t.code] + std::to_string(t.bits)
+                                         : "(DLPack type code " + std::to_string(t.code) + ", " +
+                                          std::to_string(t.bits) + " bits)";
+    return t.lanes == 1 ? name : name + " x " + std::to_string(t.lanes) + " lanes";
 }
 
 std::string shape_of(const DLTensor &t) {
@@ -30,9 +35,10 @@ at::ScalarType scalar_type_of(DLDataType t, const std::string &what, bool allow_
         if (t.code == kDLInt && t.bits == 32)
             return at::kInt;
     }
-    fail(ErrorKind::InvalidArgument,
-         what + " has dtype " + dtype_name(t) +
-             "; supported: float32, float16, bfloat16, int64, int32 (convert float64 to float32)");
+    const bool float64 = t.code == kDLFloat && t.bits == 64 && t.lanes == 1;
+    fail(ErrorKind::InvalidArgument, what + " has dtype " + dtype_name(t) +
+                                         "; supported: float32, float16, bfloat16, int64, int32" +
+                                         (float64 ? " (convert it to float32)" : ""));
 }
 
 void validate(const DLTensor &t, const std::string &what, int gpus) {
@@ -40,8 +46,10 @@ void validate(const DLTensor &t, const std::string &what, int gpus) {
         require(gpus > 0, what + " is in GPU memory (cuda:" + std::to_string(t.device.device_id) +
                               ") but this model runs on CPU devices; pass host memory");
         require(t.device.device_id >= 0 && t.device.device_id < gpus,
-                what + " is on cuda:" + std::to_string(t.device.device_id) + ", which does not "
-                "exist (" + std::to_string(gpus) + " GPUs visible)");
+                what + " is on cuda:" + std::to_string(t.device.device_id) +
+                    ", which does not "
+                    "exist (" +
+                    std::to_string(gpus) + " GPUs visible)");
     }
     require(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost ||
                 t.device.device_type == kDLCUDA,
@@ -81,8 +89,8 @@ at::ScalarType any_scalar_type(DLDataType t, const std::string &what) {
     try {
         return at::toScalarType(t);
     } catch (const c10::Error &) {
-        fail(ErrorKind::InvalidArgument, what + " has dtype " + dtype_name(t) +
-                                             ", which libtorch has no type for");
+        fail(ErrorKind::InvalidArgument,
+             what + " has dtype " + dtype_name(t) + ", which libtorch has no type for");
     }
 }
 
@@ -97,9 +105,10 @@ at::Tensor borrow_dlpack(const DLManagedTensor *tensor, const std::string &what,
         any_dtype ? any_scalar_type(t.dtype, what) : scalar_type_of(t.dtype, what, false);
     std::vector<int64_t> sizes(t.shape, t.shape + t.ndim);
     char *data = static_cast<char *>(t.data) + t.byte_offset;
-    at::Device device = t.device.device_type == kDLCUDA
-                            ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(t.device.device_id))
-                            : at::Device(at::kCPU);
+    at::Device device =
+        t.device.device_type == kDLCUDA
+            ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(t.device.device_id))
+            : at::Device(at::kCPU);
     return at::from_blob(data, sizes, at::TensorOptions().dtype(type).device(device));
 }
 
