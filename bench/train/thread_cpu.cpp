@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -12,22 +11,18 @@
 namespace tb {
 namespace {
 
-// utime + stime in clock ticks from a /proc/<pid>/task/<tid>/stat line: fields 14 and 15, counted
-// after the parenthesised name (which may hold spaces) as the 12th and 13th.
+// utime + stime in clock ticks from a /proc/<pid>/task/<tid>/stat line: fields 14 and 15, the
+// 12th and 13th after the parenthesised name (which may hold spaces).
 bool ticks_of(const std::string &stat, long long &ticks) {
     const size_t close = stat.rfind(')');
     if (close == std::string::npos)
         return false;
     std::istringstream rest(stat.substr(close + 1));
-    std::string field;
+    std::string skipped;
+    for (int i = 0; i < 11; ++i)
+        rest >> skipped;
     long long utime = 0, stime = 0;
-    for (int i = 1; i <= 13 && rest >> field; ++i) {
-        if (i == 12)
-            utime = std::atoll(field.c_str());
-        if (i == 13)
-            stime = std::atoll(field.c_str());
-    }
-    if (!rest)
+    if (!(rest >> utime >> stime))
         return false;
     ticks = utime + stime;
     return true;

@@ -1,15 +1,18 @@
 #include "api/dlpack_bridge.h"
 
+#include <iterator>
+
 namespace rp {
 namespace {
 
 // "float64", "uint8", "bool", "float32 x 2 lanes"; the raw code for a kind DLPack added later.
 std::string dtype_name(DLDataType t) {
+    // Indexed by DLDataTypeCode, kDLInt (0) to kDLComplex (5).
     static const char *const kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex"};
-    std::string name = t.code == kDLBool ? "bool"
-                       : t.code < 6      ? kinds[t.code] + std::to_string(t.bits)
-                                         : "(DLPack type code " + std::to_string(t.code) + ", " +
-                                          std::to_string(t.bits) + " bits)";
+    std::string name = t.code == kDLBool           ? "bool"
+                       : t.code < std::size(kinds) ? kinds[t.code] + std::to_string(t.bits)
+                                                   : "(DLPack type code " + std::to_string(t.code) +
+                                                         ", " + std::to_string(t.bits) + " bits)";
     return t.lanes == 1 ? name : name + " x " + std::to_string(t.lanes) + " lanes";
 }
 
@@ -47,9 +50,7 @@ void validate(const DLTensor &t, const std::string &what, int gpus) {
                               ") but this model runs on CPU devices; pass host memory");
         require(t.device.device_id >= 0 && t.device.device_id < gpus,
                 what + " is on cuda:" + std::to_string(t.device.device_id) +
-                    ", which does not "
-                    "exist (" +
-                    std::to_string(gpus) + " GPUs visible)");
+                    ", which does not exist (" + std::to_string(gpus) + " GPUs visible)");
     }
     require(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost ||
                 t.device.device_type == kDLCUDA,

@@ -462,16 +462,12 @@ class Params:
         """.grad of every parameter := a fresh view of the engine's gradient, or None where it
         received none (no call reached the parameter), as torch autograd leaves it: torch.optim
         then leaves the parameter alone, as the built-in optimizers do."""
-        L = lib()
         items = self.build(model_ptr)
         for (_, p), train, i in zip(items, self.trainable, self.indices):
             if not train:
                 continue  # frozen: no gradient exists
-            if not grad_received(model_ptr, i):
-                p.grad = None
-                continue
-            grad = from_owned(query(L.rp_param_grad, model_ptr, i, ctype=c_void_p))
-            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+            grad = grad_or_none(model_ptr, i)
+            p.grad = grad if grad is None or grad.dtype == p.dtype else grad.to(p.dtype)
 
     def reattach_grads(self, model_ptr):
         """After the engine replaced its gradients outside a step (zero_grad, load): refresh
@@ -489,14 +485,17 @@ class Params:
             self.step_exc = exc
 
 
-def grad_received(model_ptr, index):
-    """Whether the gradient of tensor `index` received anything (``rp_param_grad_received``:
-    inside a step function, that step's; elsewhere, since the last step). Asked before any
-    gradient view is taken outside a step, since a view counts as a gradient. Always true for a
-    library from before the query."""
-    if not hasattr(lib(), "rp_param_grad_received"):
-        return True
-    return bool(query(lib().rp_param_grad_received, model_ptr, index, ctype=c_int32))
+def grad_or_none(model_ptr, index):
+    """A view of the engine's gradient of tensor `index`, or None where it received nothing
+    (``rp_param_grad_received``: inside a step function, that step's; elsewhere, since the last
+    step), as autograd leaves a parameter the backward did not reach. Asked before the view is
+    taken, since a view taken outside a step counts as a gradient. Always a view for a library
+    from before the query."""
+    L = lib()
+    if hasattr(L, "rp_param_grad_received") and \
+            not query(L.rp_param_grad_received, model_ptr, index, ctype=c_int32):
+        return None
+    return from_owned(query(L.rp_param_grad, model_ptr, index, ctype=c_void_p))
 
 
 def param_kind(model_ptr, index):

@@ -16,7 +16,7 @@ import torch
 from . import _capi
 from ._capi import lib
 from ._dlpack import from_owned
-from ._internals import grad_received, param_kind, query
+from ._internals import grad_or_none, param_kind, query
 
 
 def module_tensors(module):
@@ -49,8 +49,6 @@ def copy_into_module(model_ptr, module, names, frozen=True):
             target.copy_(value.to(device=target.device, dtype=target.dtype))
             if kind != _capi.RP_PARAM_TRAINABLE:
                 continue
-            if not grad_received(model_ptr, i):  # no call reached it: None, as autograd leaves it
-                target.grad = None
-                continue
-            grad = from_owned(query(L.rp_param_grad, model_ptr, i, ctype=c_void_p))
-            target.grad = grad.to(device=target.device, dtype=target.dtype, copy=True)
+            grad = grad_or_none(model_ptr, i)
+            target.grad = None if grad is None else \
+                grad.to(device=target.device, dtype=target.dtype, copy=True)
