@@ -136,24 +136,71 @@ void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_
 
 namespace {
 
-// The bf16-state update of elements [begin, end) of one parameter, a block of scratch at a time
-// (see adamw_update_bf16_state). A GradSpan with no array is a zero gradient.
+// One element of the memory-saving update, start to end in registers: the moments widened from
+// bf16, adamw_range's arithmetic (the same expressions, so the same bits), the moments rounded
+// back stochastically from one hash of the element's index (its low half for exp_avg, its high
+// half for exp_avg_sq). Inlined into the loops below, which the compiler vectorises.
+__attribute__((always_inline)) inline void bf16_state_element(float &p, float gi, uint16_t &m16,
+                                                              uint16_t &v16, uint32_t index,
+                                                              const AdamWConstants &c,
+                                                              uint32_t salt) {
+    const uint32_t m_bits = static_cast<uint32_t>(m16) << 16, v_bits = static_cast<uint32_t>(v16)
+                                                                         << 16;
+    float m, v;
+    std::memcpy(&m, &m_bits, sizeof m);
+    std::memcpy(&v, &v_bits, sizeof v);
+    const float mi = m + (gi - m) * c.one_minus_b1;
+    const float vi = v * c.b2 + c.one_minus_b2 * gi * gi;
+    const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
+    p = p * c.decay - c.step_size * mi / denom;
+    uint32_t mi_bits, vi_bits;
+    std::memcpy(&mi_bits, &mi, sizeof mi_bits);
+    std::memcpy(&vi_bits, &vi, sizeof vi_bits);
+    const uint32_t noise = rounding_hash(index ^ salt);
+    m16 = stochastic_bf16(mi_bits, noise & 0xFFFFU);
+    v16 = stochastic_bf16(vi_bits, noise >> 16);
+}
+
+// The update of n elements, the first of which has index `first` in its parameter, with an fp32
+// or a bf16 gradient. One pass over memory: the earlier form widened the moments into fp32
+// scratch, updated them there and narrowed them back, four passes over each block that left the
+// host's cores, not its memory, setting the pace (bench/RESULTS.md round 26).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
+bf16_state_f32_grad(float *__restrict p, const float *__restrict g, uint16_t *__restrict m,
+                    uint16_t *__restrict v, int64_t n, uint32_t first, AdamWConstants c,
+                    uint32_t salt) {
+    for (int64_t i = 0; i < n; ++i)
+        bf16_state_element(p[i], g[i], m[i], v[i], first + static_cast<uint32_t>(i), c, salt);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
+bf16_state_bf16_grad(float *__restrict p, const uint16_t *__restrict g, uint16_t *__restrict m,
+                     uint16_t *__restrict v, int64_t n, uint32_t first, AdamWConstants c,
+                     uint32_t salt) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t g_bits = static_cast<uint32_t>(g[i]) << 16;
+        float gi;
+        std::memcpy(&gi, &g_bits, sizeof gi);
+        bf16_state_element(p[i], gi, m[i], v[i], first + static_cast<uint32_t>(i), c, salt);
+    }
+}
+
+// The bf16-state update of elements [begin, end) of one parameter (see adamw_update_bf16_state),
+// a block at a time so that the weight copy and the zeroing read the block while it is in the
+// cache. A GradSpan with no array is a zero gradient.
 void bf16_state_range(float *param, const GradSpan &grad, uint16_t *exp_avg, uint16_t *exp_avg_sq,
                       int64_t begin, int64_t end, const AdamWConstants &c, uint32_t salt,
                       uint16_t *live_bf16, bool zero_grad) {
-    float g[kBf16Block], m[kBf16Block], v[kBf16Block];
-    const bool zero = !grad.f32 && !grad.bf16;
-    if (zero)
-        std::fill(g, g + kBf16Block, 0.0f);
+    static const float zeros[kBf16Block] = {};
     for (int64_t b = begin; b < end; b += kBf16Block) {
         const int64_t len = std::min(kBf16Block, end - b);
-        const float *gb = grad.f32 ? grad.f32 + b : g;
+        const uint32_t first = static_cast<uint32_t>(b); // the rounding's index, as uint32
         if (grad.bf16 && !grad.f32)
-            widen_bf16(grad.bf16 + b, g, len);
-        widen_bf16(exp_avg + b, m, len);
-        widen_bf16(exp_avg_sq + b, v, len);
-        adamw_block(param + b, gb, m, v, len, c);
-        narrow_two_bf16_stochastic(m, exp_avg + b, v, exp_avg_sq + b, len, b, salt);
+            bf16_state_bf16_grad(param + b, grad.bf16 + b, exp_avg + b, exp_avg_sq + b, len, first,
+                                 c, salt);
+        else
+            bf16_state_f32_grad(param + b, grad.f32 ? grad.f32 + b : zeros, exp_avg + b,
+                                exp_avg_sq + b, len, first, c, salt);
         if (live_bf16) // the copy the devices read next: streamed past the cache
             narrow_bf16_nearest_streaming(param + b, live_bf16 + b, len);
         // The gradient lines were just read: zeroing them now costs no second trip.

@@ -1,5 +1,7 @@
 // bf16 storage for optimizer state and gradients in memory-saving mode. The update arithmetic
-// stays fp32: blocks are widened into scratch, updated by the fp32 kernels and narrowed back.
+// stays fp32: SGD widens blocks into scratch, updates them with the fp32 kernel and narrows them
+// back; AdamW does the same per element in registers (adamw_kernel.cpp), with the hash and the
+// rounding below.
 #pragma once
 #include <cstdint>
 
@@ -57,12 +59,26 @@ void narrow_bf16_nearest(const float *in, uint16_t *out, int64_t n);
 // returns (it ends with a store fence). Elsewhere it is narrow_bf16_nearest.
 void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n);
 
-// narrow_bf16_stochastic of two arrays at once from one hash per element (its low half rounds
-// `a`, its high half `b`): AdamW's two moments for the price of one hash.
-void narrow_two_bf16_stochastic(const float *a_in, uint16_t *a_out, const float *b_in,
-                                uint16_t *b_out, int64_t n, uint64_t first_index, uint32_t salt);
-
 // A salt for one (step, parameter, state array) triple.
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which);
+
+// The hash behind stochastic rounding: lowbias32 (Chris Wellons), a good avalanche with two
+// multiplies, vectorisable. Inline, for the optimizer's one-pass loops (adamw_kernel.cpp).
+inline uint32_t rounding_hash(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+// `bits` (an fp32 number's bit pattern) rounded to bf16 with `noise` (16 random bits): adding
+// uniform noise below the kept bits carries into them with the right probability; it works on
+// the magnitude, so negative values round unbiasedly too. Infinity stays infinity (its low bits
+// are zero and the carry cannot pass 0xFFFF).
+inline uint16_t stochastic_bf16(uint32_t bits, uint32_t noise) {
+    return static_cast<uint16_t>((bits + noise) >> 16);
+}
 
 } // namespace rp

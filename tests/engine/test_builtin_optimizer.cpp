@@ -230,6 +230,79 @@ void check_thread_split() {
                "thread split: the same moments and weight copy bit for bit");
 }
 
+// The memory-saving update (one pass: moments widened, updated and rounded back in registers)
+// against the same update from its parts: the fp32 kernel rp::adamw_update, which the first-step
+// check below holds to torch::optim::AdamW, on the widened moments and gradient; the moments then
+// rounded as bf16_convert.h specifies (one hash of the element's index and the step's salt, its
+// low half for exp_avg, its high half for exp_avg_sq); the weight copy a tensor copy of the
+// master. Bit for bit, over three steps, for fp32, bf16 and zero gradients, a length that ends
+// inside a block, and an inf and a NaN gradient, whose weights alone become NaN.
+void check_one_pass_against_parts() {
+    const rp::AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 1e-2};
+    const int64_t n = rp::kBf16Block * 3 + 77;
+    const uint64_t param_index = 5;
+    enum Kind { F32, BF16, ZERO };
+    for (Kind kind : {F32, BF16, ZERO}) {
+        at::manual_seed(23 + kind);
+        const at::Tensor start = at::randn({n});
+        at::Tensor p = start.clone(), p_ref = start.clone();
+        at::Tensor m = at::zeros({n}, at::kBFloat16), v = at::zeros({n}, at::kBFloat16);
+        at::Tensor m_ref = m.clone(), v_ref = v.clone(), w = at::zeros({n}, at::kBFloat16);
+        for (int64_t step = 1; step <= 3; ++step) {
+            at::Tensor g32 = kind == ZERO ? at::zeros({n}) : at::randn({n});
+            if (kind != ZERO && step == 2) {
+                g32[10] = INFINITY;
+                g32[n - 1] = NAN;
+            }
+            at::Tensor g16 = g32.to(at::kBFloat16);
+            rp::GradSpan grad; // ZERO: no array
+            if (kind == F32)
+                grad.f32 = g32.data_ptr<float>();
+            else if (kind == BF16)
+                grad.bf16 = bits(g16);
+            // The gradient the parts read: the same values in fp32 (a bf16 one widened exactly).
+            at::Tensor g_parts = kind == BF16 ? g16.to(at::kFloat) : g32.clone();
+            rp::adamw_update_bf16_state(p.data_ptr<float>(), grad, bits(m), bits(v), n, h, step,
+                                        param_index, bits(w), false);
+
+            at::Tensor m32 = m_ref.to(at::kFloat), v32 = v_ref.to(at::kFloat);
+            rp::adamw_update(p_ref.data_ptr<float>(), g_parts.data_ptr<float>(),
+                             m32.data_ptr<float>(), v32.data_ptr<float>(), n, h, step);
+            const uint32_t salt = rp::rounding_salt(step, param_index, 0);
+            const uint32_t *mb = reinterpret_cast<const uint32_t *>(m32.data_ptr<float>());
+            const uint32_t *vb = reinterpret_cast<const uint32_t *>(v32.data_ptr<float>());
+            uint16_t *mr = bits(m_ref), *vr = bits(v_ref);
+            for (int64_t i = 0; i < n; ++i) {
+                const uint32_t noise = rp::rounding_hash(static_cast<uint32_t>(i) ^ salt);
+                mr[i] = rp::stochastic_bf16(mb[i], noise & 0xFFFFU);
+                vr[i] = rp::stochastic_bf16(vb[i], noise >> 16);
+            }
+            expect(p.view(at::kInt).equal(p_ref.view(at::kInt)),
+                   "one pass: the master weights of the parts, bit for bit");
+            expect(m.view(at::kShort).equal(m_ref.view(at::kShort)) &&
+                       v.view(at::kShort).equal(v_ref.view(at::kShort)),
+                   "one pass: the moments of the parts, bit for bit");
+            // A NaN's bits in a tensor copy vary with its code path (bf16_convert.h): NaN is
+            // checked as NaN.
+            const at::Tensor nan = p_ref.isnan();
+            expect(w.view(at::kShort)
+                       .eq(p_ref.to(at::kBFloat16).view(at::kShort))
+                       .logical_or(nan)
+                       .all()
+                       .item<bool>() &&
+                       w.to(at::kFloat).isnan().equal(nan),
+                   "one pass: the weight copy is the master in bf16");
+        }
+        if (kind != ZERO)
+            expect(std::isnan(p[10].item<float>()) && std::isnan(p[n - 1].item<float>()),
+                   "one pass: an inf or a NaN gradient makes its weight NaN, as torch's AdamW does");
+        expect(p.isfinite().sum().item<int64_t>() == n - (kind == ZERO ? 0 : 2),
+               "one pass: no other weight became non-finite");
+        expect((p - start).abs().nan_to_num(0).max().item<double>() > 1e-5,
+               "one pass: the steps moved the weights (the comparison is not vacuous)");
+    }
+}
+
 } // namespace
 
 int main() {
@@ -292,6 +365,7 @@ int main() {
     check_split_update();
     check_parallel_blocks();
     check_thread_split();
+    check_one_pass_against_parts();
 
     if (failures)
         std::fprintf(stderr, "%d check(s) failed\n", failures);
