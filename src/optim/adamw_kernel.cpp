@@ -144,8 +144,8 @@ __attribute__((always_inline)) inline void bf16_state_element(float &p, float gi
                                                               uint16_t &v16, uint32_t index,
                                                               const AdamWConstants &c,
                                                               uint32_t salt) {
-    const uint32_t m_bits = static_cast<uint32_t>(m16) << 16, v_bits = static_cast<uint32_t>(v16)
-                                                                         << 16;
+    const uint32_t m_bits = static_cast<uint32_t>(m16) << 16;
+    const uint32_t v_bits = static_cast<uint32_t>(v16) << 16;
     float m, v;
     std::memcpy(&m, &m_bits, sizeof m);
     std::memcpy(&v, &v_bits, sizeof v);

@@ -136,8 +136,8 @@ void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n) {
 }
 
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which) {
-    return rounding_hash(static_cast<uint32_t>(step) * 0x9E3779B9U ^ rounding_hash(static_cast<uint32_t>(param)) ^
-                 (which * 0x85EBCA6BU));
+    return rounding_hash(static_cast<uint32_t>(step) * 0x9E3779B9U ^
+                         rounding_hash(static_cast<uint32_t>(param)) ^ (which * 0x85EBCA6BU));
 }
 
 } // namespace rp
