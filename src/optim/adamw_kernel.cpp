@@ -162,9 +162,9 @@ __attribute__((always_inline)) inline void bf16_state_element(float &p, float gi
 }
 
 // The update of n elements, the first of which has index `first` in its parameter, with an fp32
-// or a bf16 gradient. One pass over memory: the earlier form widened the moments into fp32
-// scratch, updated them there and narrowed them back, four passes over each block that left the
-// host's cores, not its memory, setting the pace (bench/RESULTS.md round 26).
+// or a bf16 gradient, in one pass. The earlier form widened the moments into fp32 scratch,
+// updated them there and narrowed them back: four passes over each block, with the cores, not
+// the memory, setting the pace (1.4x slower on 16 cores; bench/RESULTS.md round 26).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 bf16_state_f32_grad(float *__restrict p, const float *__restrict g, uint16_t *__restrict m,
                     uint16_t *__restrict v, int64_t n, uint32_t first, AdamWConstants c,
