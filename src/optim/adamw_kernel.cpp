@@ -201,13 +201,7 @@ void bf16_state_range(float *param, const GradSpan &grad, uint16_t *exp_avg, uin
         else
             bf16_state_f32_grad(param + b, grad.f32 ? grad.f32 + b : zeros, exp_avg + b,
                                 exp_avg_sq + b, len, first, c, salt);
-        if (live_bf16) // the copy the devices read next: streamed past the cache
-            narrow_bf16_nearest_streaming(param + b, live_bf16 + b, len);
-        // The gradient lines were just read: zeroing them now costs no second trip.
-        if (zero_grad && grad.f32)
-            std::memset(grad.f32 + b, 0, sizeof(float) * len);
-        else if (zero_grad && grad.bf16)
-            std::memset(grad.bf16 + b, 0, sizeof(uint16_t) * len);
+        publish_block(param, live_bf16, grad, b, len, zero_grad);
     }
 }
 

@@ -65,18 +65,6 @@ sum_widened_bf16(const uint16_t *__restrict a, const uint16_t *__restrict b, flo
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
-narrow_bf16_stochastic(const float *__restrict in, uint16_t *__restrict out, int64_t n,
-                       uint64_t first_index, uint32_t salt) {
-    const uint32_t base = static_cast<uint32_t>(first_index);
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &in[i], sizeof bits);
-        const uint32_t noise = rounding_hash((base + static_cast<uint32_t>(i)) ^ salt);
-        out[i] = stochastic_bf16(bits, noise & 0xFFFFU);
-    }
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void
 narrow_bf16_nearest(const float *__restrict in, uint16_t *__restrict out, int64_t n) {
     for (int64_t i = 0; i < n; ++i)
         out[i] = nearest_bf16(in[i]);
@@ -133,6 +121,16 @@ void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n) {
         narrow_streaming_avx512(in, out, n);
     else
         narrow_bf16_nearest(in, out, n);
+}
+
+void publish_block(const float *param, uint16_t *live_bf16, const GradSpan &grad, int64_t b,
+                   int64_t len, bool zero_grad) {
+    if (live_bf16)
+        narrow_bf16_nearest_streaming(param + b, live_bf16 + b, len);
+    if (zero_grad && grad.f32)
+        std::memset(grad.f32 + b, 0, sizeof(float) * len);
+    else if (zero_grad && grad.bf16)
+        std::memset(grad.bf16 + b, 0, sizeof(uint16_t) * len);
 }
 
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which) {

@@ -1,7 +1,6 @@
 // bf16 storage for optimizer state and gradients in memory-saving mode. The update arithmetic
-// stays fp32: SGD widens blocks into scratch, updates them with the fp32 kernel and narrows them
-// back; AdamW does the same per element in registers (adamw_kernel.cpp), with the hash and the
-// rounding below.
+// stays fp32: the optimizers' loops (adamw_kernel.cpp, sgd_kernel.cpp) widen each element's
+// state, update it and round it back in registers, with the hash and the rounding below.
 #pragma once
 #include <cstdint>
 
@@ -39,14 +38,6 @@ void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t 
 // bits as widening `a` and then adding `b` (one thread; the caller splits the range).
 void sum_widened_bf16(const uint16_t *a, const uint16_t *b, float *out, int64_t n);
 
-// Rounds to bf16 stochastically: up with probability equal to the dropped fraction, so the
-// rounding is unbiased. Round-to-nearest would lose updates smaller than half a bf16 ulp for
-// good (AdamW's second moment changes by 0.1% a step, bf16 resolves 0.4%), so the state would
-// stop decaying. The random bits are a hash of the element index and `salt`: deterministic,
-// independent of the thread split.
-void narrow_bf16_stochastic(const float *in, uint16_t *out, int64_t n, uint64_t first_index,
-                            uint32_t salt);
-
 // Rounds to the nearest bf16, ties to even, NaN kept (as 0x7FC0): bit for bit what a tensor copy
 // to bf16 gives for every number, so weights written here equal those a later copy from the
 // master would write (a NaN is a NaN in both; the copy's bits for it vary with its code path).
@@ -58,6 +49,13 @@ void narrow_bf16_nearest(const float *in, uint16_t *out, int64_t n);
 // halves the memory traffic of the copy. Visible to other threads and to DMA once the call
 // returns (it ends with a store fence). Elsewhere it is narrow_bf16_nearest.
 void narrow_bf16_nearest_streaming(const float *in, uint16_t *out, int64_t n);
+
+// After the update of elements [b, b + len) of a parameter, while they are in the cache: the
+// weight copy `live_bf16` (if not null) written from `param` (narrow_bf16_nearest_streaming:
+// the devices read it next), and the gradient zeroed if `zero_grad` (its lines were just read,
+// so that costs no second trip; a GradSpan with no array is left alone).
+void publish_block(const float *param, uint16_t *live_bf16, const GradSpan &grad, int64_t b,
+                   int64_t len, bool zero_grad);
 
 // A salt for one (step, parameter, state array) triple.
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which);
@@ -73,10 +71,14 @@ inline uint32_t rounding_hash(uint32_t x) {
     return x;
 }
 
-// `bits` (an fp32 number's bit pattern) rounded to bf16 with `noise` (16 random bits): adding
+// `bits` (an fp32 number's bit pattern) rounded to bf16 stochastically with `noise` (16 random
+// bits): up with probability equal to the dropped fraction, so the rounding is unbiased.
+// Round-to-nearest would lose updates smaller than half a bf16 ulp for good (AdamW's second
+// moment changes by 0.1% a step, bf16 resolves 0.4%), so the state would stop decaying. Adding
 // uniform noise below the kept bits carries into them with the right probability; it works on
 // the magnitude, so negative values round unbiasedly too. Infinity stays infinity (its low bits
-// are zero and the carry cannot pass 0xFFFF).
+// are zero and the carry cannot pass 0xFFFF). The optimizers take the noise from
+// rounding_hash(element index ^ salt): deterministic, independent of the thread split.
 inline uint16_t stochastic_bf16(uint32_t bits, uint32_t noise) {
     return static_cast<uint16_t>((bits + noise) >> 16);
 }

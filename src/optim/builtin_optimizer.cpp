@@ -177,12 +177,17 @@ void BuiltinOptimizer::step_sgd(const StepArrays &a, const OptimizerSettings &s,
     }
     const SgdHyper h{s.lr, s.momentum, s.weight_decay};
     for (size_t i : part) {
+        // Memory-saving mode writes the weight copy and zeroes the gradient in the update's pass,
+        // as AdamW's does (a lent download is not zeroed).
+        const bool publish = update[i] && bf16_state_ && !a.lives.empty() && a.lives[i].defined();
         if (update[i]) {
             const bool seed = momentum && !seeded_[i];
+            const bool own_grad = !(i < a.lent.size() && a.lent[i]);
             if (bf16_state_)
-                sgd_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
-                                      momentum ? bf16_bits(first_moment_[i]) : nullptr,
-                                      params[i].numel(), h, seed, steps_[i], i);
+                sgd_update_bf16_state(
+                    params[i].data_ptr<float>(), grad_span(grads[i]),
+                    momentum ? bf16_bits(first_moment_[i]) : nullptr, params[i].numel(), h, seed,
+                    steps_[i], i, publish ? bf16_bits(a.lives[i]) : nullptr, publish && own_grad);
             else
                 sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
                            momentum ? first_moment_[i].data_ptr<float>() : nullptr,
@@ -191,7 +196,7 @@ void BuiltinOptimizer::step_sgd(const StepArrays &a, const OptimizerSettings &s,
                 seeded_[i] = 1;
         }
         if (done)
-            done(i, false);
+            done(i, publish);
     }
 }
 

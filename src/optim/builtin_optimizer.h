@@ -33,8 +33,8 @@ struct StepArrays {
     // fp32, or bf16 with bf16 state.
     std::vector<at::Tensor> grads;
     // Empty, or one per parameter: bf16 weight copies to refresh from the update while its data
-    // is in cache, zeroing the gradient too (AdamW only; undefined entries are skipped; with
-    // fp32 state the gradients must be fp32).
+    // is in cache, zeroing the gradient too (AdamW, and SGD with bf16 state; undefined entries
+    // are skipped; with fp32 state the gradients must be fp32).
     std::vector<at::Tensor> lives;
     // Empty: all. Which parameters received a gradient since the last step; the others are left
     // alone, their state and step count included (torch.optim skips a parameter whose .grad is

@@ -24,6 +24,7 @@
 #include "optim/adamw_kernel.h"
 #include "optim/builtin_optimizer.h"
 #include "optim/parallel_blocks.h"
+#include "optim/sgd_kernel.h"
 
 static int failures = 0;
 
@@ -299,6 +300,82 @@ void check_one_pass_against_parts() {
     }
 }
 
+// The memory-saving SGD (bf16 momentum buffer, one pass, the weight copy written and the gradient
+// zeroed in it) against its parts: the fp32 kernel rp::sgd_update (held to torch::optim::SGD by
+// c_memory_saving and c_optimizer) on the widened buffer and gradient, the buffer rounded as
+// bf16_convert.h specifies (the low half of one hash per element), the weight copy a tensor copy
+// of the master. Bit for bit over three steps (the first seeds the buffer), with momentum and
+// without, fp32 and bf16 gradients. Then BuiltinOptimizer's SGD step reports such an update
+// published, zeroes its own gradient buffer and leaves a lent download as it was.
+void check_sgd_one_pass_against_parts() {
+    const int64_t n = rp::kBf16Block * 2 + 301;
+    const uint64_t param_index = 4;
+    for (double momentum : {0.9, 0.0})
+        for (bool bf16_grad : {true, false}) {
+            const rp::SgdHyper h{0.05, momentum, 0.01};
+            at::manual_seed(31);
+            const at::Tensor start = at::randn({n});
+            at::Tensor p = start.clone(), p_ref = start.clone();
+            at::Tensor buf = at::zeros({n}, at::kBFloat16), buf_ref = buf.clone();
+            at::Tensor w = at::zeros({n}, at::kBFloat16);
+            for (int64_t step = 1; step <= 3; ++step) {
+                at::Tensor g = at::randn({n});
+                at::Tensor g16 = g.to(at::kBFloat16);
+                at::Tensor g_parts = bf16_grad ? g16.to(at::kFloat) : g.clone();
+                rp::GradSpan grad;
+                if (bf16_grad)
+                    grad.bf16 = bits(g16);
+                else
+                    grad.f32 = g.data_ptr<float>();
+                uint16_t *buf_bits = momentum != 0.0 ? bits(buf) : nullptr;
+                rp::sgd_update_bf16_state(p.data_ptr<float>(), grad, buf_bits, n, h, step == 1,
+                                          step, param_index, bits(w), true);
+
+                at::Tensor buf32 = buf_ref.to(at::kFloat);
+                rp::sgd_update(p_ref.data_ptr<float>(), g_parts.data_ptr<float>(),
+                               momentum != 0.0 ? buf32.data_ptr<float>() : nullptr, n, h,
+                               step == 1);
+                const uint32_t salt = rp::rounding_salt(step, param_index, 2);
+                const uint32_t *bb = reinterpret_cast<const uint32_t *>(buf32.data_ptr<float>());
+                uint16_t *br = bits(buf_ref);
+                for (int64_t i = 0; momentum != 0.0 && i < n; ++i)
+                    br[i] = rp::stochastic_bf16(
+                        bb[i], rp::rounding_hash(static_cast<uint32_t>(i) ^ salt) & 0xFFFFU);
+
+                expect(p.view(at::kInt).equal(p_ref.view(at::kInt)),
+                       "SGD one pass: the master weights of the parts, bit for bit");
+                expect(buf.view(at::kShort).equal(buf_ref.view(at::kShort)),
+                       "SGD one pass: the momentum buffer of the parts, bit for bit");
+                expect(w.view(at::kShort).equal(p_ref.to(at::kBFloat16).view(at::kShort)),
+                       "SGD one pass: the weight copy is the master in bf16");
+                expect((bf16_grad ? g16.eq(0) : g.eq(0)).all().item<bool>(),
+                       "SGD one pass: the gradient is zeroed");
+            }
+            expect((p - start).abs().max().item<double>() > 1e-3,
+                   "SGD one pass: the steps moved the weights (the comparison is not vacuous)");
+        }
+
+    // Through BuiltinOptimizer: parameter 0 lent, 1 its own buffer; both published.
+    Run run = make_run();
+    for (at::Tensor &g : run.grads)
+        g = g.clone();
+    const at::Tensor lent_before = run.grads[0].clone();
+    const rp::OptimizerSettings s{rp::OptimizerKind::Sgd, 0.05, 0.9, 0.999, 1e-8, 0.01, 0.9};
+    rp::BuiltinOptimizer opt(rp::OptimizerKind::Sgd, /*bf16_state=*/true);
+    rp::StepArrays a = arrays(run.params, run.grads, run.lives, {0, 1});
+    a.lent = {1, 0, 0};
+    std::vector<int> published(3, -1);
+    opt.step(a, s, [&](size_t i, bool p) { published[i] = p ? 1 : 0; });
+    expect(published[0] == 1 && published[1] == 1 && published[2] == -1,
+           "SGD with bf16 state reports its updates published");
+    expect(run.grads[0].equal(lent_before), "SGD: a lent gradient is left as it was");
+    expect(run.grads[1].eq(0).all().item<bool>(), "SGD: an own gradient buffer is zeroed");
+    for (size_t i : {0, 1})
+        expect(
+            run.lives[i].view(at::kShort).equal(run.params[i].to(at::kBFloat16).view(at::kShort)),
+            "SGD: the weight copy is the master in bf16");
+}
+
 } // namespace
 
 int main() {
@@ -362,6 +439,7 @@ int main() {
     check_parallel_blocks();
     check_thread_split();
     check_one_pass_against_parts();
+    check_sgd_one_pass_against_parts();
 
     if (failures)
         std::fprintf(stderr, "%d check(s) failed\n", failures);
