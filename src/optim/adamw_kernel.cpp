@@ -15,45 +15,39 @@ namespace {
 // Big enough that a thread's share amortises the fork; small enough to split 1e6 elements.
 constexpr int64_t kGrain = 1 << 15;
 
+struct AdamWConstants {
+    float decay, one_minus_b1, b2, one_minus_b2, inv_bc2_sqrt, eps, step_size;
+};
+
+// AdamW's arithmetic on one element, in fp32 (the one home of these expressions: the fp32 loop
+// and the memory-saving one both inline it, so they give the same bits).
+__attribute__((always_inline)) inline void adamw_element(float &p, float g, float &m, float &v,
+                                                         const AdamWConstants &c) {
+    m = m + (g - m) * c.one_minus_b1; // torch: exp_avg.lerp_(grad, 1 - beta1)
+    v = v * c.b2 + c.one_minus_b2 * g * g;
+    const float denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
+    p = p * c.decay - c.step_size * m / denom;
+}
+
 // target_clones gives AVX-512 and AVX2 bodies with a run-time dispatch, so one binary uses the
 // widest vectors the host has. The loop is written so GCC vectorises it (no aliasing, no
 // branches; the file is built with -O3 -fno-math-errno so sqrt vectorises too).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 adamw_range(float *__restrict p, const float *__restrict g, float *__restrict m,
-            float *__restrict v, int64_t n, float decay, float one_minus_b1, float b2,
-            float one_minus_b2, float inv_bc2_sqrt, float eps, float step_size) {
-    for (int64_t i = 0; i < n; ++i) {
-        float gi = g[i];
-        float mi = m[i] + (gi - m[i]) * one_minus_b1; // torch: exp_avg.lerp_(grad, 1 - beta1)
-        float vi = v[i] * b2 + one_minus_b2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
-        p[i] = p[i] * decay - step_size * mi / denom;
-    }
+            float *__restrict v, int64_t n, AdamWConstants c) {
+    for (int64_t i = 0; i < n; ++i)
+        adamw_element(p[i], g[i], m[i], v[i], c);
 }
 
-// The same loop for L2 weight decay (torch.optim.Adam's default). A separate body, not an
-// `l2 * p[i]` term in the one above: with l2 = 0 that term would still turn an inf weight into
-// nan in AdamW's moments.
+// The same loop for L2 weight decay (torch.optim.Adam's default): the decay goes into the
+// gradient and `c.decay` must be 1. A loop of its own, not an `l2 * p[i]` term in the one above:
+// with l2 = 0 that term would still turn an inf weight into nan in AdamW's moments.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 adam_l2_range(float *__restrict p, const float *__restrict g, float *__restrict m,
-              float *__restrict v, int64_t n, float l2, float one_minus_b1, float b2,
-              float one_minus_b2, float inv_bc2_sqrt, float eps, float step_size) {
-    for (int64_t i = 0; i < n; ++i) {
-        float gi = g[i] + l2 * p[i]; // torch: grad = grad.add(param, alpha=weight_decay)
-        float mi = m[i] + (gi - m[i]) * one_minus_b1;
-        float vi = v[i] * b2 + one_minus_b2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
-        p[i] = p[i] - step_size * mi / denom;
-    }
+              float *__restrict v, int64_t n, float l2, AdamWConstants c) {
+    for (int64_t i = 0; i < n; ++i) // torch: grad = grad.add(param, alpha=weight_decay)
+        adamw_element(p[i], g[i] + l2 * p[i], m[i], v[i], c);
 }
-
-struct AdamWConstants {
-    float decay, one_minus_b1, b2, one_minus_b2, inv_bc2_sqrt, eps, step_size;
-};
 
 AdamWConstants constants(const AdamWHyper &h, int64_t step) {
     const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(step));
@@ -65,11 +59,6 @@ AdamWConstants constants(const AdamWHyper &h, int64_t step) {
             static_cast<float>(1.0 / std::sqrt(bc2)),
             static_cast<float>(h.eps),
             static_cast<float>(h.lr / bc1)};
-}
-
-void adamw_block(float *p, const float *g, float *m, float *v, int64_t n, const AdamWConstants &c) {
-    adamw_range(p, g, m, v, n, c.decay, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps,
-                c.step_size);
 }
 
 // The gradient of elements [b, b + len) into `g` from a lent bf16 gradient with rows added in
@@ -95,7 +84,7 @@ void adamw_update(float *param, const float *grad, float *exp_avg, float *exp_av
                   const AdamWHyper &h, int64_t step) {
     const AdamWConstants c = constants(h, step);
     optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
-        adamw_block(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
+        adamw_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
                     c);
     });
 }
@@ -116,7 +105,7 @@ void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, fl
                 gather_split_gradient(grad, b, len, g);
             else if (!fp32)
                 widen_bf16(grad.bf16 + b, g, len);
-            adamw_block(param + b, gb, exp_avg + b, exp_avg_sq + b, len, c);
+            adamw_range(param + b, gb, exp_avg + b, exp_avg_sq + b, len, c);
             narrow(param + b, live_bf16 + b, len);
             if (fp32)
                 std::memset(grad.f32 + b, 0, sizeof(float) * len);
@@ -126,39 +115,30 @@ void adamw_update_publish(float *param, const GradSpan &grad, float *exp_avg, fl
 
 void adam_l2_update(float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
                     const AdamWHyper &h, int64_t step) {
-    const AdamWConstants c = constants(h, step);
+    AdamWConstants c = constants(h, step);
+    c.decay = 1.0f; // p * 1 is p: the weight is decayed through the gradient instead
     const float l2 = static_cast<float>(h.weight_decay);
     optimizer_parallel_for(0, n, kOptimizerBlock, kGrain, [&](int64_t begin, int64_t end) {
         adam_l2_range(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, end - begin,
-                      l2, c.one_minus_b1, c.b2, c.one_minus_b2, c.inv_bc2_sqrt, c.eps, c.step_size);
+                      l2, c);
     });
 }
 
 namespace {
 
 // One element of the memory-saving update, start to end in registers: the moments widened from
-// bf16, adamw_range's arithmetic (the same expressions, so the same bits), the moments rounded
-// back stochastically from one hash of the element's index (its low half for exp_avg, its high
-// half for exp_avg_sq). Inlined into the loops below, which the compiler vectorises.
-__attribute__((always_inline)) inline void bf16_state_element(float &p, float gi, uint16_t &m16,
+// bf16, adamw_element's arithmetic, the moments rounded back stochastically from one hash of the
+// element's index (its low half for exp_avg, its high half for exp_avg_sq). Inlined into the
+// loops below, which the compiler vectorises.
+__attribute__((always_inline)) inline void bf16_state_element(float &p, float g, uint16_t &m16,
                                                               uint16_t &v16, uint32_t index,
                                                               const AdamWConstants &c,
                                                               uint32_t salt) {
-    const uint32_t m_bits = static_cast<uint32_t>(m16) << 16;
-    const uint32_t v_bits = static_cast<uint32_t>(v16) << 16;
-    float m, v;
-    std::memcpy(&m, &m_bits, sizeof m);
-    std::memcpy(&v, &v_bits, sizeof v);
-    const float mi = m + (gi - m) * c.one_minus_b1;
-    const float vi = v * c.b2 + c.one_minus_b2 * gi * gi;
-    const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
-    p = p * c.decay - c.step_size * mi / denom;
-    uint32_t mi_bits, vi_bits;
-    std::memcpy(&mi_bits, &mi, sizeof mi_bits);
-    std::memcpy(&vi_bits, &vi, sizeof vi_bits);
+    float m = bf16_value(m16), v = bf16_value(v16);
+    adamw_element(p, g, m, v, c);
     const uint32_t noise = rounding_hash(index ^ salt);
-    m16 = stochastic_bf16(mi_bits, noise & 0xFFFFU);
-    v16 = stochastic_bf16(vi_bits, noise >> 16);
+    m16 = stochastic_bf16(m, noise & 0xFFFFU);
+    v16 = stochastic_bf16(v, noise >> 16);
 }
 
 // The update of n elements, the first of which has index `first` in its parameter, with an fp32
@@ -177,12 +157,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void
 bf16_state_bf16_grad(float *__restrict p, const uint16_t *__restrict g, uint16_t *__restrict m,
                      uint16_t *__restrict v, int64_t n, uint32_t first, AdamWConstants c,
                      uint32_t salt) {
-    for (int64_t i = 0; i < n; ++i) {
-        const uint32_t g_bits = static_cast<uint32_t>(g[i]) << 16;
-        float gi;
-        std::memcpy(&gi, &g_bits, sizeof gi);
-        bf16_state_element(p[i], gi, m[i], v[i], first + static_cast<uint32_t>(i), c, salt);
-    }
+    for (int64_t i = 0; i < n; ++i)
+        bf16_state_element(p[i], bf16_value(g[i]), m[i], v[i], first + static_cast<uint32_t>(i), c,
+                           salt);
 }
 
 // The bf16-state update of elements [begin, end) of one parameter (see adamw_update_bf16_state),

@@ -25,20 +25,14 @@ inline uint16_t nearest_bf16(float x) {
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 widen_bf16(const uint16_t *__restrict in, float *__restrict out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-        std::memcpy(&out[i], &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = bf16_value(in[i]);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 add_widened_bf16(const uint16_t *__restrict in, float *__restrict out, int64_t n, float factor) {
-    for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-        float x;
-        std::memcpy(&x, &bits, sizeof bits);
-        out[i] += factor * x;
-    }
+    for (int64_t i = 0; i < n; ++i)
+        out[i] += factor * bf16_value(in[i]);
 }
 
 void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t n, int64_t width,
@@ -54,14 +48,8 @@ void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 sum_widened_bf16(const uint16_t *__restrict a, const uint16_t *__restrict b, float *__restrict out,
                  int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        const uint32_t abits = static_cast<uint32_t>(a[i]) << 16;
-        const uint32_t bbits = static_cast<uint32_t>(b[i]) << 16;
-        float x, y;
-        std::memcpy(&x, &abits, sizeof abits);
-        std::memcpy(&y, &bbits, sizeof bbits);
-        out[i] = x + y;
-    }
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = bf16_value(a[i]) + bf16_value(b[i]);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void

@@ -3,6 +3,7 @@
 // state, update it and round it back in registers, with the hash and the rounding below.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 namespace rp {
 
@@ -60,6 +61,15 @@ void publish_block(const float *param, uint16_t *live_bf16, const GradSpan &grad
 // A salt for one (step, parameter, state array) triple.
 uint32_t rounding_salt(int64_t step, uint64_t param, uint32_t which);
 
+// A bf16 bit pattern's value in fp32 (exact: the pattern is the top half of the fp32 one).
+// Inline, so the optimizer's loops widen in registers.
+inline float bf16_value(uint16_t bits) {
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float x;
+    std::memcpy(&x, &wide, sizeof x);
+    return x;
+}
+
 // The hash behind stochastic rounding: lowbias32 (Chris Wellons), a good avalanche with two
 // multiplies, vectorisable. Inline, for the optimizer's one-pass loops (adamw_kernel.cpp).
 inline uint32_t rounding_hash(uint32_t x) {
@@ -71,15 +81,17 @@ inline uint32_t rounding_hash(uint32_t x) {
     return x;
 }
 
-// `bits` (an fp32 number's bit pattern) rounded to bf16 stochastically with `noise` (16 random
-// bits): up with probability equal to the dropped fraction, so the rounding is unbiased.
-// Round-to-nearest would lose updates smaller than half a bf16 ulp for good (AdamW's second
-// moment changes by 0.1% a step, bf16 resolves 0.4%), so the state would stop decaying. Adding
-// uniform noise below the kept bits carries into them with the right probability; it works on
-// the magnitude, so negative values round unbiasedly too. Infinity stays infinity (its low bits
-// are zero and the carry cannot pass 0xFFFF). The optimizers take the noise from
-// rounding_hash(element index ^ salt): deterministic, independent of the thread split.
-inline uint16_t stochastic_bf16(uint32_t bits, uint32_t noise) {
+// `x` rounded to bf16 stochastically with `noise` (16 random bits): up with probability equal to
+// the dropped fraction, so the rounding is unbiased. Round-to-nearest would lose updates smaller
+// than half a bf16 ulp for good (AdamW's second moment changes by 0.1% a step, bf16 resolves 0.4%),
+// so the state would stop decaying. Adding uniform noise below the kept bits carries into them with
+// the right probability; it works on the magnitude, so negative values round unbiasedly too.
+// Infinity stays infinity (its low bits are zero and the carry cannot pass 0xFFFF). The optimizers
+// take the noise from rounding_hash(element index ^ salt): deterministic, independent of the thread
+// split.
+inline uint16_t stochastic_bf16(float x, uint32_t noise) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
     return static_cast<uint16_t>((bits + noise) >> 16);
 }
 

@@ -1,7 +1,6 @@
 #include "optim/sgd_kernel.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include <ATen/Parallel.h>
 
@@ -13,82 +12,64 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void
-sgd_range(float *__restrict p, const float *__restrict g, float *__restrict buf, int64_t n,
-          float lr, float momentum, float wd, bool first_step) {
-    if (!buf) {
-        for (int64_t i = 0; i < n; ++i)
-            p[i] -= lr * (g[i] + wd * p[i]);
-        return;
-    }
-    if (first_step) {
-        for (int64_t i = 0; i < n; ++i) {
-            float d = g[i] + wd * p[i];
-            buf[i] = d;
-            p[i] -= lr * d;
-        }
-        return;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-        float b = momentum * buf[i] + (g[i] + wd * p[i]);
-        buf[i] = b;
-        p[i] -= lr * b;
-    }
+// A momentum buffer element's value in fp32, and its store: fp32 as it is, bf16 rounded
+// stochastically with the low half of `noise` (for fp32 the hash that makes it is dead code).
+inline float state_value(float b) { return b; }
+inline float state_value(uint16_t b) { return bf16_value(b); }
+inline void store_state(float &b, float x, uint32_t) { b = x; }
+inline void store_state(uint16_t &b, float x, uint32_t noise) {
+    b = stochastic_bf16(x, noise & 0xFFFFU);
 }
+inline float grad_value(float g) { return g; }
+inline float grad_value(uint16_t g) { return bf16_value(g); }
 
-// The gradient's value in fp32: as it is, or a bf16 one widened (exactly).
-inline float widened(float g) { return g; }
-inline float widened(uint16_t g) {
-    const uint32_t bits = static_cast<uint32_t>(g) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-// sgd_range's three forms over a bf16 momentum buffer, each element start to end in registers:
-// the buffer widened, sgd_range's expressions (so its bits), the buffer rounded back
-// stochastically from the low half of one hash of the element's index `first + i`.
-template <class Grad>
+// torch.optim.SGD's three forms (no momentum; the first step seeding the buffer; later steps)
+// over an fp32 or bf16 gradient and buffer, each element start to end in registers. A bf16
+// buffer element is rounded with a hash of its index `first + i` in the parameter.
+template <class Grad, class Buf>
 __attribute__((always_inline)) inline void
-sgd_bf16_state_loops(float *__restrict p, const Grad *__restrict g, uint16_t *__restrict buf,
-                     int64_t n, float lr, float momentum, float wd, bool first_step, uint32_t first,
-                     uint32_t salt) {
-    auto rounded = [&](float x, int64_t i) {
-        uint32_t bits;
-        std::memcpy(&bits, &x, sizeof bits);
-        const uint32_t noise = rounding_hash((first + static_cast<uint32_t>(i)) ^ salt);
-        return stochastic_bf16(bits, noise & 0xFFFFU);
+sgd_loops(float *__restrict p, const Grad *__restrict g, Buf *__restrict buf, int64_t n, float lr,
+          float momentum, float wd, bool first_step, uint32_t first, uint32_t salt) {
+    auto noise = [&](int64_t i) {
+        return rounding_hash((first + static_cast<uint32_t>(i)) ^ salt);
     };
     if (!buf) {
         for (int64_t i = 0; i < n; ++i)
-            p[i] -= lr * (widened(g[i]) + wd * p[i]);
+            p[i] -= lr * (grad_value(g[i]) + wd * p[i]);
         return;
     }
     if (first_step) {
         for (int64_t i = 0; i < n; ++i) {
-            float d = widened(g[i]) + wd * p[i];
-            buf[i] = rounded(d, i);
+            float d = grad_value(g[i]) + wd * p[i];
+            store_state(buf[i], d, noise(i));
             p[i] -= lr * d;
         }
         return;
     }
     for (int64_t i = 0; i < n; ++i) {
-        float b = momentum * widened(buf[i]) + (widened(g[i]) + wd * p[i]);
-        buf[i] = rounded(b, i);
+        float b = momentum * state_value(buf[i]) + (grad_value(g[i]) + wd * p[i]);
+        store_state(buf[i], b, noise(i));
         p[i] -= lr * b;
     }
+}
+
+// The instances the updates use, each with AVX-512 and AVX2 bodies (see adamw_kernel.cpp).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void
+sgd_range(float *p, const float *g, float *buf, int64_t n, float lr, float momentum, float wd,
+          bool first_step) {
+    sgd_loops(p, g, buf, n, lr, momentum, wd, first_step, 0, 0);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 sgd_bf16_state_f32_grad(float *p, const float *g, uint16_t *buf, int64_t n, float lr,
                         float momentum, float wd, bool first_step, uint32_t first, uint32_t salt) {
-    sgd_bf16_state_loops(p, g, buf, n, lr, momentum, wd, first_step, first, salt);
+    sgd_loops(p, g, buf, n, lr, momentum, wd, first_step, first, salt);
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void
 sgd_bf16_state_bf16_grad(float *p, const uint16_t *g, uint16_t *buf, int64_t n, float lr,
                          float momentum, float wd, bool first_step, uint32_t first, uint32_t salt) {
-    sgd_bf16_state_loops(p, g, buf, n, lr, momentum, wd, first_step, first, salt);
+    sgd_loops(p, g, buf, n, lr, momentum, wd, first_step, first, salt);
 }
 
 } // namespace
