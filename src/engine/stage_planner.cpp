@@ -137,7 +137,8 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
                     act_max = std::max(act_max, r.layers[j].activation_bytes_per_token);
                     if (!fits(j, i, act_max))
                         break; // longer stages only grow
-                    double c = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+                    const double weight = k <= r.light_leading_stages ? 2.0 : 1.0;
+                    double c = std::max(best[k - 1][j], weight * (prefix[i] - prefix[j]));
                     if (c < best[k][i]) {
                         best[k][i] = c;
                         cut[k][i] = j;

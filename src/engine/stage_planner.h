@@ -39,6 +39,11 @@ struct PlanRequest {
     double tokens = 0;          // tokens of the largest microbatch of the call
     RecomputeGrain grain = RecomputeGrain::Stage;
     StageUse use = StageUse::Fused;
+    // The first `light_leading_stages` stages count their cost twice, so that plan_balanced
+    // keeps them at most half the size of the largest other stage. Memory-saving mode on several
+    // GPUs: those stages' gradients are final last (each is its device's last backward job), so
+    // the optimizer's update of them is the backlog the next call's first jobs wait for.
+    size_t light_leading_stages = 0;
 };
 
 // Device bytes stage [first, end) of a plan over `r.layers` needs while it computes: its fixed
@@ -47,11 +52,12 @@ struct PlanRequest {
 double stage_footprint(const PlanRequest &r, size_t first, size_t end);
 
 // Splits layers into at least `min_stages` contiguous non-empty stages minimising the most
-// expensive stage (exact, by dynamic programming over the prefix sums), where no stage's fixed
-// bytes exceed `max_stage_weight_bytes` and no stage's footprint exceeds `max_stage_bytes`
-// (a layer over the latter alone still gets a stage of its own: the estimate is an estimate,
-// and the allocator has the last word). More stages are used when memory needs them. Throws
-// InvalidArgument when a single layer's fixed bytes exceed their limit.
+// expensive stage (a leading stage's cost doubled, see light_leading_stages; exact, by dynamic
+// programming over the prefix sums), where no stage's fixed bytes exceed
+// `max_stage_weight_bytes` and no stage's footprint exceeds `max_stage_bytes` (a layer over the
+// latter alone still gets a stage of its own: the estimate is an estimate, and the allocator has
+// the last word). More stages are used when memory needs them. Throws InvalidArgument when a
+// single layer's fixed bytes exceed their limit.
 std::vector<Stage> plan_balanced(const PlanRequest &r);
 
 // Several devices, a fused call: among the cuts that fit memory as in plan_balanced (and at

@@ -6,7 +6,9 @@
 //    modelled-shortest plan that fits memory (ties: fewest stages) among those with no more
 //    stages than the balanced planner's and a tail at least as large (the host's side, which
 //    the model leaves out, then costs no more), never a stage over the memory limits, and never
-//    a plan modelled slower than the balanced one.
+//    a plan modelled slower than the balanced one;
+//  - plan_balanced with light leading stages against a brute force over every cut: the least
+//    most expensive stage with the leading stages' costs doubled.
 // Links src/engine/fused_schedule.cpp and stage_planner.cpp directly (not exported by the
 // library).
 #include <cmath>
@@ -215,6 +217,50 @@ void equal_times_prefer_fewer_stages() {
           plan.empty() ? -1.0 : static_cast<double>(plan[0].end_layer), 1);
 }
 
+void light_leading_stages_against_brute_force() {
+    // Uneven costs so that the answer is not a round division; four stages, the first two light.
+    const size_t n = 11, stages = 4, light = 2;
+    rp::PlanRequest r = request(n, 1.0, 0.0);
+    for (size_t l = 0; l < n; ++l)
+        r.costs[l] = 1.0 + static_cast<double>((l * 5 + 2) % 7) * 0.25;
+    r.min_stages = stages;
+    r.light_leading_stages = light;
+    auto weighted_max = [&](const std::vector<size_t> &cuts) {
+        double worst = 0;
+        for (size_t s = 0; s + 1 < cuts.size(); ++s) {
+            double cost = 0;
+            for (size_t l = cuts[s]; l < cuts[s + 1]; ++l)
+                cost += r.costs[l];
+            worst = std::max(worst, (s < light ? 2.0 : 1.0) * cost);
+        }
+        return worst;
+    };
+    double want = std::numeric_limits<double>::infinity();
+    std::vector<size_t> cuts{0};
+    std::function<void(size_t, size_t)> go = [&](size_t j, size_t left) {
+        if (left == 1) {
+            cuts.push_back(n);
+            want = std::min(want, weighted_max(cuts));
+            cuts.pop_back();
+            return;
+        }
+        for (size_t i = j + 1; i + left - 1 <= n; ++i) {
+            cuts.push_back(i);
+            go(i, left - 1);
+            cuts.pop_back();
+        }
+    };
+    go(0, stages);
+    const std::vector<size_t> got = cuts_of(rp::plan_balanced(r));
+    check(got.size() - 1 == stages, "light leading stages: four stages", got.size() - 1, stages);
+    check_close(weighted_max(got), want, "light leading stages: the brute force's weighted most");
+    // The same request without light stages: an even split, whose first stages are not light.
+    r.light_leading_stages = 0;
+    const std::vector<size_t> even = cuts_of(rp::plan_balanced(r));
+    check(weighted_max(even) > want, "light leading stages change the plan", weighted_max(even),
+          want);
+}
+
 } // namespace
 
 int main() {
@@ -224,6 +270,7 @@ int main() {
     the_host_is_never_charged_more();
     a_stage_more_must_be_clearly_faster();
     equal_times_prefer_fewer_stages();
+    light_leading_stages_against_brute_force();
     if (failures) {
         std::printf("%d check(s) failed\n", failures);
         return 1;
