@@ -41,8 +41,8 @@ struct PlanRequest {
     StageUse use = StageUse::Fused;
     // The first `light_leading_stages` stages count their cost twice, so that plan_balanced
     // keeps them at most half the size of the largest other stage. Memory-saving mode on several
-    // GPUs: those stages' gradients are final last (each is its device's last backward job), so
-    // the optimizer's update of them is the backlog the next call's first jobs wait for.
+    // GPUs: each device's first job waits for the step's update of its stage, which with in-call
+    // steps is the backlog at the calls' boundary (Model::make_plan says why).
     size_t light_leading_stages = 0;
 };
 
