@@ -130,14 +130,14 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
         std::vector<std::vector<double>> best(num_stages + 1, std::vector<double>(n + 1, inf));
         std::vector<std::vector<size_t>> cut(num_stages + 1, std::vector<size_t>(n + 1, 0));
         best[0][0] = 0.0;
-        for (size_t k = 1; k <= num_stages; ++k)
+        for (size_t k = 1; k <= num_stages; ++k) {
+            const double weight = k <= r.light_leading_stages ? 2.0 : 1.0;
             for (size_t i = k; i <= n; ++i) {
                 double act_max = 0;
                 for (size_t j = i; j-- > k - 1;) {
                     act_max = std::max(act_max, r.layers[j].activation_bytes_per_token);
                     if (!fits(j, i, act_max))
                         break; // longer stages only grow
-                    const double weight = k <= r.light_leading_stages ? 2.0 : 1.0;
                     double c = std::max(best[k - 1][j], weight * (prefix[i] - prefix[j]));
                     if (c < best[k][i]) {
                         best[k][i] = c;
@@ -145,6 +145,7 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
                     }
                 }
             }
+        }
         if (best[num_stages][n] == inf)
             continue;
         std::vector<Stage> stages(num_stages);

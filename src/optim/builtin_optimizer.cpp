@@ -21,6 +21,11 @@ uint16_t *bf16_bits(const at::Tensor &t) { // t: bf16, contiguous
     return reinterpret_cast<uint16_t *>(t.data_ptr<at::BFloat16>());
 }
 
+// Whether the step's gradient of parameter i is the optimizer's to zero: a lent download is not
+// (it goes back to the pinned pool as it is; zeroing it would move 2 of the 22 bytes a parameter
+// the pass moves for nothing).
+bool owns_grad(const StepArrays &a, size_t i) { return !(i < a.lent.size() && a.lent[i]); }
+
 GradSpan grad_span(const at::Tensor &g) {
     GradSpan span;
     if (g.scalar_type() == at::kBFloat16)
@@ -65,7 +70,6 @@ void BuiltinOptimizer::step_adamw(const StepArrays &a, const OptimizerSettings &
                                   const ParamDone &done) {
     const std::vector<at::Tensor> &params = a.params, &grads = a.grads, &lives = a.lives;
     const std::vector<AddedRows> &added_rows = a.added_rows;
-    const std::vector<uint8_t> &lent = a.lent;
     if (first_moment_.empty()) {
         first_moment_ = zeros_like_all(params, bf16_state_);
         second_moment_ = zeros_like_all(params, bf16_state_);
@@ -90,22 +94,19 @@ void BuiltinOptimizer::step_adamw(const StepArrays &a, const OptimizerSettings &
                                  steps_[i], bf16_bits(lives[i]));
         } else if (bf16_state_ && publish && i == split_param_ && params[i].dim() == 2 &&
                    split_rows_.size(0) == params[i].size(0)) {
-            const bool own_grad = !(i < lent.size() && lent[i]);
             adamw_update_bf16_state_rows(
                 params[i].data_ptr<float>(), grad_span(grads[i]), bf16_bits(first_moment_[i]),
                 bf16_bits(second_moment_[i]), 0, params[i].size(0),
                 params[i].numel() / params[i].size(0), split_rows_.data_ptr<uint8_t>(), 1, h,
-                steps_[i], i, bf16_bits(lives[i]), own_grad);
+                steps_[i], i, bf16_bits(lives[i]), owns_grad(a, i));
             // Its own copy (split_next_update), so the mask becomes the record of rows done.
             deferred_ = {i, params[i], lives[i], std::move(split_rows_), s, steps_[i]};
             continue; // done when the deferred rows are (finish_deferred_rows)
         } else if (bf16_state_) {
-            // A lent download is not zeroed: 2 of the 22 bytes a parameter the pass would move.
-            const bool own_grad = !(i < lent.size() && lent[i]);
-            adamw_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
-                                    bf16_bits(first_moment_[i]), bf16_bits(second_moment_[i]),
-                                    params[i].numel(), h, steps_[i], i,
-                                    publish ? bf16_bits(lives[i]) : nullptr, publish && own_grad);
+            adamw_update_bf16_state(
+                params[i].data_ptr<float>(), grad_span(grads[i]), bf16_bits(first_moment_[i]),
+                bf16_bits(second_moment_[i]), params[i].numel(), h, steps_[i], i,
+                publish ? bf16_bits(lives[i]) : nullptr, publish && owns_grad(a, i));
         } else {
             adamw_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
                          first_moment_[i].data_ptr<float>(), second_moment_[i].data_ptr<float>(),
@@ -182,12 +183,12 @@ void BuiltinOptimizer::step_sgd(const StepArrays &a, const OptimizerSettings &s,
         const bool publish = update[i] && bf16_state_ && !a.lives.empty() && a.lives[i].defined();
         if (update[i]) {
             const bool seed = momentum && !seeded_[i];
-            const bool own_grad = !(i < a.lent.size() && a.lent[i]);
             if (bf16_state_)
-                sgd_update_bf16_state(
-                    params[i].data_ptr<float>(), grad_span(grads[i]),
-                    momentum ? bf16_bits(first_moment_[i]) : nullptr, params[i].numel(), h, seed,
-                    steps_[i], i, publish ? bf16_bits(a.lives[i]) : nullptr, publish && own_grad);
+                sgd_update_bf16_state(params[i].data_ptr<float>(), grad_span(grads[i]),
+                                      momentum ? bf16_bits(first_moment_[i]) : nullptr,
+                                      params[i].numel(), h, seed, steps_[i], i,
+                                      publish ? bf16_bits(a.lives[i]) : nullptr,
+                                      publish && owns_grad(a, i));
             else
                 sgd_update(params[i].data_ptr<float>(), grads[i].data_ptr<float>(),
                            momentum ? first_moment_[i].data_ptr<float>() : nullptr,
