@@ -14,9 +14,10 @@ namespace {
 // the gradient on the device), so the host is spared a second pass over the bytes.
 // A row gradient (an embedding's sparse COO tensor, LayerContext::row_gradients) travels as its
 // row indices and its rows, and lands as a sparse host tensor of the same rows.
+// `interim`: an earlier microbatch's rows (GradAccumulator::add).
 void download_group(CallContext &ctx, std::vector<std::pair<size_t, at::Tensor>> grads,
                     std::vector<at::Tensor> checks, DeviceLane &lane, size_t job,
-                    std::shared_ptr<void> after) {
+                    std::shared_ptr<void> after, bool interim) {
     if (grads.empty())
         return;
     std::vector<at::Tensor> device;
@@ -43,7 +44,7 @@ void download_group(CallContext &ctx, std::vector<std::pair<size_t, at::Tensor>>
     }
     std::vector<at::Tensor> landed_checks(
         host.tensors.begin() + static_cast<long>(num_grad_tensors), host.tensors.end());
-    ctx.gradients->add(std::move(grads), std::move(landed_checks), std::move(host), lane);
+    ctx.gradients->add(std::move(grads), std::move(landed_checks), std::move(host), lane, interim);
 }
 
 // The non-finite check (see download_group); a row gradient's covers its rows. (It was a float64
@@ -76,7 +77,8 @@ void send_row_gradients(CallContext &ctx, const std::vector<std::pair<size_t, at
         grads.emplace_back(leaf.first, g);
         leaf.second.mutable_grad() = at::Tensor(); // the next microbatch's rows start afresh
     }
-    download_group(ctx, std::move(grads), std::move(checks), lane, job, lane.mark_compute());
+    download_group(ctx, std::move(grads), std::move(checks), lane, job, lane.mark_compute(),
+                   /*interim=*/true);
 }
 
 struct FinalGradients::Hook final : torch::autograd::PostAccumulateGradHook {
@@ -135,7 +137,8 @@ void FinalGradients::flush() {
     std::shared_ptr<void> ready = lane_.mark_compute();
     if (ctx_.device_reduction)
         ready = average_over_ranks();
-    download_group(ctx_, std::move(grads_), std::move(checks_), lane_, job_, std::move(ready));
+    download_group(ctx_, std::move(grads_), std::move(checks_), lane_, job_, std::move(ready),
+                   /*interim=*/false);
     grads_.clear();
     checks_.clear();
     bytes_ = 0;

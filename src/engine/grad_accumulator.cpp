@@ -41,7 +41,7 @@ void GradAccumulator::begin_call(bool buffers_zero, double factor,
 
 bool GradAccumulator::takes_row_gradients() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return !dp_ && !final_;
+    return !dp_;
 }
 
 void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, FinalFn fn) {
@@ -52,6 +52,7 @@ void GradAccumulator::report_final(const std::vector<int> &jobs_per_param, Final
     t->landed.resize(jobs_per_param.size());
     t->jobs = t->jobs_left = jobs_per_param;
     t->delivered.assign(jobs_per_param.size(), 0);
+    t->received.assign(jobs_per_param.size(), 0);
     t->nonfinite.assign(jobs_per_param.size(), 0);
     t->handed.assign(jobs_per_param.size(), 0);
     final_ = std::move(t);
@@ -61,11 +62,12 @@ void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
     FinalTracking &t = *final_;
     std::vector<FinalGradient> ready;
     auto check = [&](size_t p) {
-        // Each job delivers a parameter at most once (FinalGradients sends each leaf once), so
-        // as many deliveries as jobs means no job is left to add to it.
+        // Each job delivers a parameter at most once but for interim rows (FinalGradients sends
+        // each leaf once; `delivered` leaves the interim ones out), so as many deliveries as jobs
+        // means no job is left to add to it.
         if (!t.handed[p] && (t.jobs_left[p] == 0 || t.delivered[p] == t.jobs[p])) {
             t.handed[p] = 1;
-            ready.push_back({p, t.delivered[p] > 0, t.nonfinite[p] != 0, std::move(t.landed[p])});
+            ready.push_back({p, t.received[p] != 0, t.nonfinite[p] != 0, std::move(t.landed[p])});
             t.landed[p] = at::Tensor();
         }
     };
@@ -79,13 +81,17 @@ void GradAccumulator::hand_final(const Item &item, bool nonfinite) {
         // finished, on every rank, so each of its gradients is final.
         for (const auto &g : item.grads) {
             ++t.delivered[g.first];
+            t.received[g.first] = 1;
             t.nonfinite[g.first] |= nonfinite ? 1 : 0;
             t.jobs_left[g.first] = 0;
             check(g.first);
         }
     } else {
         for (const auto &g : item.grads) {
-            ++t.delivered[g.first];
+            // An earlier microbatch's rows: the job delivers this parameter again.
+            if (!item.interim)
+                ++t.delivered[g.first];
+            t.received[g.first] = 1;
             t.nonfinite[g.first] |= nonfinite ? 1 : 0;
             check(g.first);
         }
@@ -140,9 +146,11 @@ void GradAccumulator::enqueue(Item item) {
 }
 
 void GradAccumulator::add(std::vector<std::pair<size_t, at::Tensor>> grads,
-                          std::vector<at::Tensor> checks, Transfer ready, DeviceLane &lane) {
+                          std::vector<at::Tensor> checks, Transfer ready, DeviceLane &lane,
+                          bool interim) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (dp_) {
+        require(!interim, "interim row gradients reached the data-parallel reduction");
         auto d = std::make_shared<GradientDownload>();
         *d = GradientDownload{std::move(grads), std::move(checks), std::move(ready), &lane};
         reducer_.receive(std::move(d));
@@ -153,6 +161,7 @@ void GradAccumulator::add(std::vector<std::pair<size_t, at::Tensor>> grads,
     item.checks = std::move(checks);
     item.ready = std::move(ready);
     item.lane = &lane;
+    item.interim = interim;
     enqueue(std::move(item));
 }
 
@@ -235,20 +244,26 @@ void add_widened(at::Tensor &dst, const at::Tensor &src, double factor) {
 
 // dst[row] += factor * values[i] for each (row, values[i]) of a row gradient: the rows an
 // embedding's tokens used, a row once per use (the device did not merge repeats; here they add
-// in fp32).
+// in fp32; into a bf16 gradient, a row's uses add to it in fp32 and it is rounded once).
 void add_rows(at::Tensor &dst, const at::Tensor &sparse, double factor) {
     const at::Tensor rows = sparse._indices().reshape(-1).contiguous();
     const int64_t n = rows.numel(), width = dst.numel() / std::max<int64_t>(dst.size(0), 1);
     at::Tensor values = sparse._values().reshape({n, width});
     at::Tensor d = dst.view({dst.size(0), width});
-    if (values.scalar_type() != at::kBFloat16 || d.scalar_type() != at::kFloat) {
+    const bool bf16_values = values.scalar_type() == at::kBFloat16;
+    if (bf16_values && d.scalar_type() == at::kFloat) {
+        values = values.contiguous();
+        add_rows_widened_bf16(reinterpret_cast<const uint16_t *>(values.data_ptr()),
+                              rows.data_ptr<int64_t>(), n, width, d.data_ptr<float>(),
+                              static_cast<float>(factor));
+    } else if (bf16_values && d.scalar_type() == at::kBFloat16) {
+        values = values.contiguous();
+        add_rows_into_bf16(reinterpret_cast<const uint16_t *>(values.data_ptr()),
+                           rows.data_ptr<int64_t>(), n, width,
+                           reinterpret_cast<uint16_t *>(d.data_ptr()), static_cast<float>(factor));
+    } else {
         d.index_add_(0, rows, values.to(d.scalar_type()), factor);
-        return;
     }
-    values = values.contiguous();
-    add_rows_widened_bf16(reinterpret_cast<const uint16_t *>(values.data_ptr()),
-                          rows.data_ptr<int64_t>(), n, width, d.data_ptr<float>(),
-                          static_cast<float>(factor));
 }
 
 } // namespace

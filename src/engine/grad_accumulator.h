@@ -61,8 +61,9 @@ class GradAccumulator {
     // (data parallel: job_done says when each has).
     void begin_call(bool buffers_zero, double factor, const std::vector<int> &jobs_per_param);
     // Whether this call's contributions may be row gradients (sparse COO host tensors): not
-    // when they are averaged over ranks (the reducer's buckets are dense) nor with in-call steps
-    // (the listener reads dense gradients). Caller thread, after begin_call / report_final.
+    // when they are averaged over ranks (the reducer's buckets are dense). With in-call steps
+    // the rows add into the gradient buffer, which the listener then reads. Caller thread, after
+    // begin_call / report_final.
     bool takes_row_gradients();
 
     // A gradient no later contribution of the call can change.
@@ -89,9 +90,11 @@ class GradAccumulator {
     // Worker threads: (param, host tensor) pairs of one stage, ready after `ready` on `lane`,
     // and `checks`, 0-d host tensors whose sum is inf or nan when any element of those gradients
     // is (rp::kernels::nonfinite_flag), computed on the device so the host need not read them
-    // twice.
+    // twice. `interim`: row gradients of an earlier microbatch (send_row_gradients), after
+    // which the job delivers these parameters again; in-call steps count only a job's last
+    // delivery of a parameter (report_final), so these never make a gradient final.
     void add(std::vector<std::pair<size_t, at::Tensor>> grads, std::vector<at::Tensor> checks,
-             Transfer ready, DeviceLane &lane);
+             Transfer ready, DeviceLane &lane, bool interim);
     // Worker threads: a job has delivered all its gradients of `params` (its trainable leaves).
     void job_done(const std::vector<size_t> &params);
     // Caller thread, after every job of the call has finished: waits for the additions, applies
@@ -107,6 +110,7 @@ class GradAccumulator {
         DeviceLane *lane = nullptr; // null: nothing to wait for
         double scale = 1.0;         // times the call's factor (a reduced bucket: 1 / ranks)
         bool nonfinite = false;     // known without the checks (a reduced bucket)
+        bool interim = false;       // see add
         // In-call steps: a job has delivered everything it will (its trainable leaves); an
         // item in the queue behind that job's contributions.
         std::optional<std::vector<size_t>> job_done;
@@ -114,8 +118,8 @@ class GradAccumulator {
     // report_final's bookkeeping, on this accumulator's thread.
     struct FinalTracking {
         FinalFn fn;
-        std::vector<int> jobs_left, delivered, jobs;
-        std::vector<uint8_t> nonfinite, handed;
+        std::vector<int> jobs_left, delivered, jobs; // delivered: last deliveries (see add)
+        std::vector<uint8_t> received, nonfinite, handed;
         std::vector<at::Tensor> landed; // lent downloads, until handed
     };
     // In-call steps: whether `grad`, parameter p's only contribution, can be lent as it landed.

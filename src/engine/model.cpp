@@ -370,7 +370,8 @@ void Model::run_training_pipeline(CallContext &ctx, double scale,
         }
     } in_call{*this, in_call_ && ctx.kind == CallKind::Fused ? start_in_call_step(ctx) : nullptr};
     // Averaged on the devices, gradients go through dense collectives.
-    ctx.row_gradients = gradients_.takes_row_gradients() && !on_device;
+    ctx.row_gradients =
+        gradients_.takes_row_gradients() && !on_device && (!in_call.feed || in_call_row_gradients_);
     {
         HostSpan span(timeline_, "caller", "pipeline");
         try {
@@ -690,6 +691,8 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     in_call_ = *settings;
     const char *defer = std::getenv("RP_DEFER_TABLE_ROWS"); // "0": off, to measure what it gives
     defer_table_rows_ = !(defer && std::string(defer) == "0");
+    const char *rows = std::getenv("RP_IN_CALL_ROW_GRADIENTS"); // the same
+    in_call_row_gradients_ = !(rows && std::string(rows) == "0");
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {

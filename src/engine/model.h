@@ -333,6 +333,9 @@ class Model {
     // In-call steps split the lookup table's update (RP_DEFER_TABLE_ROWS, read when they are
     // switched on; default on).
     bool defer_table_rows_ = true;
+    // In-call steps take an embedding's row gradients (RP_IN_CALL_ROW_GRADIENTS, read likewise;
+    // "0": the dense gradient, to measure what the rows give).
+    bool in_call_row_gradients_ = true;
     int64_t lookup_table_ = -1; // find_lookup_table()
     CallRows call_rows_;        // what each in-call training call posts for the step before it
     GradScaler scaler_;

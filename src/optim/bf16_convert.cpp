@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -42,6 +44,32 @@ void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t 
         for (int64_t k = 0; k < n; ++k)
             add_widened_bf16(values + k * width + begin, out + rows[k] * width + begin,
                              end - begin, factor);
+    });
+}
+
+void add_rows_into_bf16(const uint16_t *values, const int64_t *rows, int64_t n, int64_t width,
+                        uint16_t *out, float factor) {
+    // The uses grouped by row, each group in the order of the uses (a stable sort), so a row's
+    // sum does not depend on how the groups are split over threads.
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
+    std::vector<int64_t> group_starts;
+    for (int64_t k = 0; k < n; ++k)
+        if (k == 0 || rows[order[k]] != rows[order[k - 1]])
+            group_starts.push_back(k);
+    const auto groups = static_cast<int64_t>(group_starts.size());
+    group_starts.push_back(n);
+    at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> row(static_cast<size_t>(width));
+        for (int64_t g = begin; g < end; ++g) {
+            uint16_t *dst = out + rows[order[group_starts[g]]] * width;
+            widen_bf16(dst, row.data(), width);
+            for (int64_t k = group_starts[g]; k < group_starts[g + 1]; ++k)
+                add_widened_bf16(values + order[k] * width, row.data(), width, factor);
+            narrow_bf16_nearest(row.data(), dst, width);
+        }
     });
 }
 

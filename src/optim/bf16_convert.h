@@ -35,6 +35,14 @@ void add_widened_bf16(const uint16_t *in, float *out, int64_t n, float factor);
 void add_rows_widened_bf16(const uint16_t *values, const int64_t *rows, int64_t n, int64_t width,
                            float *out, float factor);
 
+// out[rows[k]] += factor * values[k] for each of the n rows (`width` elements each) of a row
+// gradient, into a bf16 gradient (memory-saving mode): each row used is widened, its uses added in
+// fp32 in order, and the row rounded back (to nearest) once. With factor 1 these are the bits of
+// libtorch's index_add_ on the bf16 tensor, which took 3.4x as long for 4,096 rows of 4,096 on two
+// cores. Parallel over distinct rows.
+void add_rows_into_bf16(const uint16_t *values, const int64_t *rows, int64_t n, int64_t width,
+                        uint16_t *out, float factor);
+
 // out[i] = a[i] + b[i], both widened: two bf16 gradients summed into fp32 in one pass, the same
 // bits as widening `a` and then adding `b` (one thread; the caller splits the range).
 void sum_widened_bf16(const uint16_t *a, const uint16_t *b, float *out, int64_t n);

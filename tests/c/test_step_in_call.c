@@ -13,7 +13,9 @@
  *  - a call that fails before any gradient is final (a failing loss callback) leaves no trace;
  *    one that fails in a backward stage keeps exactly the updates of the parameters whose
  *    gradients were final (bitwise those of a whole call and an explicit step) and leaves the
- *    others at their old values, every gradient zero.
+ *    others at their old values, every gradient zero;
+ *  - an embedding's rows, sent after every microbatch, all reach the table's update (only the
+ *    last microbatch's make its gradient final), bit for bit as with explicit steps.
  */
 #include "test_support.h"
 
@@ -500,6 +502,59 @@ static void a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps(vo
     free(in_call_seen);
 }
 
+/* An embedding's rows leave the device after every microbatch (docs/semantics.md), but only the
+ * last microbatch's make the table's gradient final: an in-call step that took the table after
+ * the first microbatch's rows would miss the others. Token ids from a few rows of the table, so
+ * every microbatch adds to the same rows; a wide middle stage on the other device, so the next
+ * microbatch's rows come well after the previous ones (an early update would have run by then).
+ * Against explicit steps (which read the gradient only after the call), bit for bit, over three
+ * calls of three microbatches, fp32. */
+enum { RT_VOCAB = 4096, RT_TOKENS = 1536, RT_USED = 48 };
+
+static const char *ROW_TABLE_SPEC =
+    "{\"layers\": [{\"type\": \"embedding\", \"num\": 4096, \"dim\": 64},"
+    " {\"type\": \"linear\", \"in\": 64, \"out\": 512}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 512, \"out\": 512}, {\"type\": \"tanh\"},"
+    " {\"type\": \"linear\", \"in\": 512, \"out\": 3}]}";
+
+static ts_params *train_row_table(int in_call) {
+    static const int32_t plan[3] = {1, 4, 1};
+    rp_model *m = staged_model(ROW_TABLE_SPEC, RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 43, 2, plan, 3);
+    rp_loss *loss = NULL;
+    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
+    rp_run_config *cfg = ts_config(3, RP_GRAIN_STAGE);
+    rp_optimizer *opt = ts_adamw(1e-2);
+    if (in_call)
+        TS_OK(rp_model_set_step_in_call(m, opt));
+    static int64_t ids[RT_TOKENS];
+    static float u[RT_TOKENS], y[RT_TOKENS * 3];
+    for (int it = 0; it < 3; ++it) {
+        ts_fill_uniform(u, RT_TOKENS, 300 + it, 0.f, 1.f);
+        for (int i = 0; i < RT_TOKENS; ++i)
+            ids[i] = (int64_t)(u[i] * (RT_USED - 1));
+        int64_t n = RT_TOKENS, ys[2] = {RT_TOKENS, 3};
+        ts_fill_uniform(y, RT_TOKENS * 3, 310 + it, -1.f, 1.f);
+        DLManagedTensor *in = ts_i64(1, &n, ids), *lab = ts_f32(2, ys, y);
+        const DLManagedTensor *inputs[1] = {in};
+        double l = 0.0;
+        TS_OK(rp_forward_backward(&l, NULL, m, inputs, 1, lab, loss, cfg));
+        if (!in_call)
+            TS_OK(rp_step(m, opt, 1));
+        ts_free(in);
+        ts_free(lab);
+    }
+    return masters_after_training(m, opt, cfg, loss);
+}
+
+static void a_tables_rows_from_every_microbatch_reach_its_in_call_update(void **state) {
+    (void)state;
+    ts_params *want = train_row_table(0);
+    ts_params *got = train_row_table(1);
+    ts_assert_params_equal(got, want);
+    ts_params_free(want);
+    ts_params_free(got);
+}
+
 int main(void) {
     if (ts_gpu_missing())
         return 77;
@@ -511,6 +566,7 @@ int main(void) {
         cmocka_unit_test(a_call_failing_before_any_final_gradient_leaves_no_trace),
         cmocka_unit_test(a_call_failing_in_a_backward_stage_keeps_the_final_updates_only),
         cmocka_unit_test(a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps),
+        cmocka_unit_test(a_tables_rows_from_every_microbatch_reach_its_in_call_update),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
