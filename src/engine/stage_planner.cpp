@@ -131,7 +131,7 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
         std::vector<std::vector<size_t>> cut(num_stages + 1, std::vector<size_t>(n + 1, 0));
         best[0][0] = 0.0;
         for (size_t k = 1; k <= num_stages; ++k) {
-            const double weight = k <= r.light_leading_stages ? 2.0 : 1.0;
+            const double weight = k <= r.light_leading_stages ? kLightStageWeight : 1.0;
             for (size_t i = k; i <= n; ++i) {
                 double act_max = 0;
                 for (size_t j = i; j-- > k - 1;) {

@@ -39,12 +39,20 @@ struct PlanRequest {
     double tokens = 0;          // tokens of the largest microbatch of the call
     RecomputeGrain grain = RecomputeGrain::Stage;
     StageUse use = StageUse::Fused;
-    // The first `light_leading_stages` stages count their cost twice, so that plan_balanced
-    // keeps them at most half the size of the largest other stage. Memory-saving mode on several
-    // GPUs: each device's first job waits for the step's update of its stage, which with in-call
-    // steps is the backlog at the calls' boundary (Model::make_plan says why).
+    // The first `light_leading_stages` stages count their cost kLightStageWeight times, so that
+    // plan_balanced keeps them at most that fraction of the largest other stage. Memory-saving
+    // mode on several GPUs: each device's first job waits for the step's update of its stage,
+    // which with in-call steps is the backlog at the calls' boundary (Model::make_plan says why).
     size_t light_leading_stages = 0;
 };
+
+// 2.5: at most two fifths of the largest other stage. At 2 (half), Qwen3-8B's first stage on two
+// H200s held the embedding and two decoder layers while its measured time included the table's
+// dense gradient, and three once the table's rows alone came down (17 ms less for the stage):
+// [4,3,6,5,5,6,6,4], 15,457-15,525 tokens/s, devices starting 127-133 ms into the call. At 2.5
+// the re-plan gives [3,2,6,6,5,6,6,5]: 15,878-15,963 tokens/s, starting at 92-100 ms, in the
+// same lease (bench/RESULTS.md, round 28).
+constexpr double kLightStageWeight = 2.5;
 
 // Device bytes stage [first, end) of a plan over `r.layers` needs while it computes: its fixed
 // bytes and the activation working set of its worst job for `r.tokens` tokens (see
@@ -52,7 +60,7 @@ struct PlanRequest {
 double stage_footprint(const PlanRequest &r, size_t first, size_t end);
 
 // Splits layers into at least `min_stages` contiguous non-empty stages minimising the most
-// expensive stage (a leading stage's cost doubled, see light_leading_stages; exact, by dynamic
+// expensive stage (a leading stage's cost weighted, see light_leading_stages; exact, by dynamic
 // programming over the prefix sums), where no stage's fixed bytes exceed
 // `max_stage_weight_bytes` and no stage's footprint exceeds `max_stage_bytes` (a layer over the
 // latter alone still gets a stage of its own: the estimate is an estimate, and the allocator has

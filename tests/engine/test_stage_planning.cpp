@@ -231,7 +231,7 @@ void light_leading_stages_against_brute_force() {
             double cost = 0;
             for (size_t l = cuts[s]; l < cuts[s + 1]; ++l)
                 cost += r.costs[l];
-            worst = std::max(worst, (s < light ? 2.0 : 1.0) * cost);
+            worst = std::max(worst, (s < light ? rp::kLightStageWeight : 1.0) * cost);
         }
         return worst;
     };
