@@ -31,6 +31,9 @@
  *   - RP_DEFER_TABLE_ROWS=0: in-call steps (rp_model_set_step_in_call) update an embedding first
  *     layer's whole table at once instead of deferring the rows no token used (docs/semantics.md
  *     "Deferred table rows"); results are bit for bit the same. Read by rp_model_set_step_in_call.
+ *   - RP_IN_CALL_ROW_GRADIENTS=0: in-call steps download an embedding's whole dense gradient
+ *     instead of the rows its tokens used (docs/semantics.md); the sum is the same, its rounding
+ *     may differ in the last bits. Read by rp_model_set_step_in_call.
  *   - RP_NEXT_CALL_WEIGHTS=0: a GPU call in the standard mode does not upload, during each
  *     device's last job, the weights the next call's first jobs there will read. Read once.
  *   - RP_PEER_HAND_OFFS=0: activations and gradients cross between GPUs through host memory
