@@ -78,25 +78,38 @@ static ts_params *masters_after_training(rp_model *m, rp_optimizer *opt, rp_run_
     return w;
 }
 
+/* What a training run over `m` uses: an MSE loss, `microbatches` at `grain`, AdamW (lr 1e-2)
+ * stepping inside the calls when `in_call` (else the caller steps). */
+typedef struct training {
+    rp_loss *loss;
+    rp_run_config *cfg;
+    rp_optimizer *opt;
+} training;
+
+static training start_training(rp_model *m, int in_call, int32_t microbatches, int32_t grain) {
+    training t = {NULL, NULL, NULL};
+    TS_OK(rp_loss_create(&t.loss, RP_LOSS_MSE));
+    t.cfg = ts_config(microbatches, grain);
+    t.opt = ts_adamw(1e-2);
+    if (in_call)
+        TS_OK(rp_model_set_step_in_call(m, t.opt));
+    return t;
+}
+
 /* Five calls on five batches, stepping inside the calls or with rp_step after each. */
 static ts_params *train_five(int in_call, int32_t dtype, int32_t grain, int32_t microbatches,
                              double *losses) {
     rp_model *m = make_model(RP_HOST_MEMORY_SAVING, dtype, 17);
-    rp_loss *loss = NULL;
-    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_run_config *cfg = ts_config(microbatches, grain);
-    rp_optimizer *opt = ts_adamw(1e-2);
-    if (in_call)
-        TS_OK(rp_model_set_step_in_call(m, opt));
+    training t = start_training(m, in_call, microbatches, grain);
     for (int it = 0; it < 5; ++it) {
         batch b;
         batch_init(&b, it);
-        TS_OK(train_call(&losses[it], m, &b, loss, cfg));
+        TS_OK(train_call(&losses[it], m, &b, t.loss, t.cfg));
         if (!in_call)
-            TS_OK(rp_step(m, opt, 1));
+            TS_OK(rp_step(m, t.opt, 1));
         batch_free(&b);
     }
-    return masters_after_training(m, opt, cfg, loss);
+    return masters_after_training(m, t.opt, t.cfg, t.loss);
 }
 
 static void in_call_steps_give_bitwise_the_weights_of_explicit_steps(void **state) {
@@ -446,12 +459,7 @@ static size_t forward_bytes(rp_model *m, const DLManagedTensor *ids, unsigned ch
 
 static ts_params *train_table(int in_call, double *losses, unsigned char *seen, size_t *seen_n) {
     rp_model *m = make_table_model();
-    rp_loss *loss = NULL;
-    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_run_config *cfg = ts_config(3, RP_GRAIN_STAGE);
-    rp_optimizer *opt = ts_adamw(1e-2);
-    if (in_call)
-        TS_OK(rp_model_set_step_in_call(m, opt));
+    training t = start_training(m, in_call, 3, RP_GRAIN_STAGE);
     for (int it = 0; it < 5; ++it) {
         DLManagedTensor *ids = token_ids(it, 0);
         float y[TOKENS * 3];
@@ -459,9 +467,9 @@ static ts_params *train_table(int in_call, double *losses, unsigned char *seen, 
         ts_fill_uniform(y, TOKENS * 3, 90 + it, -1.f, 1.f);
         DLManagedTensor *lab = ts_f32(2, ys, y);
         const DLManagedTensor *inputs[1] = {ids};
-        TS_OK(rp_forward_backward(&losses[it], NULL, m, inputs, 1, lab, loss, cfg));
+        TS_OK(rp_forward_backward(&losses[it], NULL, m, inputs, 1, lab, t.loss, t.cfg));
         if (!in_call)
-            TS_OK(rp_step(m, opt, 1));
+            TS_OK(rp_step(m, t.opt, 1));
         if (it == 2) {
             DLManagedTensor *all = token_ids(0, 1);
             *seen_n = forward_bytes(m, all, seen, VOCAB * 3 * 4);
@@ -470,7 +478,7 @@ static ts_params *train_table(int in_call, double *losses, unsigned char *seen, 
         ts_free(ids);
         ts_free(lab);
     }
-    return masters_after_training(m, opt, cfg, loss);
+    return masters_after_training(m, t.opt, t.cfg, t.loss);
 }
 
 static void a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps(void **state) {
@@ -520,12 +528,7 @@ static const char *ROW_TABLE_SPEC =
 static ts_params *train_row_table(int in_call) {
     static const int32_t plan[3] = {1, 4, 1};
     rp_model *m = staged_model(ROW_TABLE_SPEC, RP_HOST_MEMORY_SAVING, RP_DTYPE_F32, 43, 2, plan, 3);
-    rp_loss *loss = NULL;
-    TS_OK(rp_loss_create(&loss, RP_LOSS_MSE));
-    rp_run_config *cfg = ts_config(3, RP_GRAIN_STAGE);
-    rp_optimizer *opt = ts_adamw(1e-2);
-    if (in_call)
-        TS_OK(rp_model_set_step_in_call(m, opt));
+    training t = start_training(m, in_call, 3, RP_GRAIN_STAGE);
     static int64_t ids[RT_TOKENS];
     static float u[RT_TOKENS], y[RT_TOKENS * 3];
     for (int it = 0; it < 3; ++it) {
@@ -537,13 +540,13 @@ static ts_params *train_row_table(int in_call) {
         DLManagedTensor *in = ts_i64(1, &n, ids), *lab = ts_f32(2, ys, y);
         const DLManagedTensor *inputs[1] = {in};
         double l = 0.0;
-        TS_OK(rp_forward_backward(&l, NULL, m, inputs, 1, lab, loss, cfg));
+        TS_OK(rp_forward_backward(&l, NULL, m, inputs, 1, lab, t.loss, t.cfg));
         if (!in_call)
-            TS_OK(rp_step(m, opt, 1));
+            TS_OK(rp_step(m, t.opt, 1));
         ts_free(in);
         ts_free(lab);
     }
-    return masters_after_training(m, opt, cfg, loss);
+    return masters_after_training(m, t.opt, t.cfg, t.loss);
 }
 
 static void a_tables_rows_from_every_microbatch_reach_its_in_call_update(void **state) {
