@@ -449,12 +449,12 @@ Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, Device
     if (ctx.gate)
         ctx.gate->wait(params, ctx.gate_step);
     // The lookup table, the first layer's only parameter: only the rows this call reads.
-    const bool table_rows = ctx.table_row_ids.defined() && !params.empty() &&
-                            static_cast<int64_t>(params[0]) == ctx.table_param;
+    const bool rows_only = ctx.table_row_ids.defined() && !params.empty() &&
+                           static_cast<int64_t>(params[0]) == ctx.table_param;
     std::vector<at::Tensor> host;
-    for (size_t k = table_rows ? 1 : 0; k < params.size(); ++k)
+    for (size_t k = rows_only ? 1 : 0; k < params.size(); ++k)
         host.push_back(ctx.store.at(params[k]).live);
-    if (!table_rows)
+    if (!rows_only)
         return lane.upload_weights(host, job);
     Transfer table = lane.upload_table_rows(ctx.store.at(params[0]).live, ctx.table_row_ids, job);
     if (host.empty())
