@@ -111,10 +111,10 @@ class CudaLane final : public DeviceLane {
                                size_t job) override {
         // Gathered into pinned memory first, so the copy is asynchronous (the host allocator
         // keeps the block until the copy that reads it has completed).
+        // (A lookup table is 2-D: Model::find_lookup_table.)
         at::Tensor gathered =
-            at::empty({rows.numel(), host_table.numel() / std::max<int64_t>(1, host_table.size(0))},
-                      host_table.options().pinned_memory(true));
-        at::index_select_out(gathered, host_table.reshape({host_table.size(0), -1}), 0, rows);
+            at::empty({rows.numel(), host_table.size(1)}, host_table.options().pinned_memory(true));
+        at::index_select_out(gathered, host_table, 0, rows);
         at::Tensor index = at::empty(rows.sizes(), rows.options().pinned_memory(true));
         index.copy_(rows);
         c10::cuda::CUDAStreamGuard guard(weights_);
@@ -126,7 +126,7 @@ class CudaLane final : public DeviceLane {
             at::empty(gathered.sizes(), gathered.options().device(device_).pinned_memory(false));
         copy_in_chunks(moved, gathered);
         at::Tensor index_d = index.to(device_, /*non_blocking=*/true);
-        table.view({table.size(0), -1}).index_copy_(0, index_d, moved);
+        table.index_copy_(0, index_d, moved);
         table.record_stream(compute_);
         Transfer t;
         t.tensors.push_back(table);
