@@ -34,9 +34,6 @@
  *   - RP_IN_CALL_ROW_GRADIENTS=0: in-call steps download an embedding's whole dense gradient
  *     instead of the rows its tokens used (docs/semantics.md); the sum is the same, its rounding
  *     may differ in the last bits. Read by rp_model_set_step_in_call.
- *   - RP_TABLE_ROWS_UPLOAD=1: an experiment, off by default until measured: a training call whose
- *     in-call step defers table rows uploads only the rows its tokens name (docs/semantics.md
- *     "Deferred table rows"); results are bit for bit the same. Read by rp_model_set_step_in_call.
  *   - RP_NEXT_CALL_WEIGHTS=0: a GPU call in the standard mode does not upload, during each
  *     device's last job, the weights the next call's first jobs there will read. Read once.
  *   - RP_PEER_HAND_OFFS=0: activations and gradients cross between GPUs through host memory

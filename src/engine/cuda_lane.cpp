@@ -5,10 +5,8 @@
 #include "base/error.h"
 
 #ifdef RP_HAVE_CUDA
-#include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -96,7 +94,12 @@ class CudaLane final : public DeviceLane {
             // Allocated on the weight stream and marked for compute, so the caching allocator
             // never hands this memory to a later upload while compute still reads it.
             at::Tensor d = at::empty(h.sizes(), h.options().device(device_).pinned_memory(false));
-            copy_in_chunks(d, h);
+            const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / h.element_size());
+            at::Tensor src = h.reshape(-1), dst = d.view(-1);
+            for (int64_t off = 0; off < src.numel(); off += per_chunk) {
+                int64_t n = std::min(per_chunk, src.numel() - off);
+                dst.narrow(0, off, n).copy_(src.narrow(0, off, n), /*non_blocking=*/true);
+            }
             d.record_stream(compute_);
             t.tensors.push_back(d);
             t.landed.push_back(record_untimed(weights_));
@@ -104,37 +107,6 @@ class CudaLane final : public DeviceLane {
         auto end = record(weights_);
         t.ready = end;
         mark("weights", job, start, end, enqueued, bytes_of(host), "weights");
-        return t;
-    }
-
-    Transfer upload_table_rows(const at::Tensor &host_table, const at::Tensor &rows,
-                               size_t job) override {
-        // Gathered into pinned memory first, so the copy is asynchronous (the host allocator
-        // keeps the block until the copy that reads it has completed).
-        // (A lookup table is 2-D: Model::find_lookup_table.)
-        at::Tensor gathered =
-            at::empty({rows.numel(), host_table.size(1)}, host_table.options().pinned_memory(true));
-        at::index_select_out(gathered, host_table, 0, rows);
-        at::Tensor index = at::empty(rows.sizes(), rows.options().pinned_memory(true));
-        index.copy_(rows);
-        c10::cuda::CUDAStreamGuard guard(weights_);
-        const double enqueued = host_ms();
-        auto start = record(weights_);
-        at::Tensor table = at::full(host_table.sizes(), std::numeric_limits<double>::quiet_NaN(),
-                                    host_table.options().device(device_).pinned_memory(false));
-        at::Tensor moved =
-            at::empty(gathered.sizes(), gathered.options().device(device_).pinned_memory(false));
-        copy_in_chunks(moved, gathered);
-        at::Tensor index_d = index.to(device_, /*non_blocking=*/true);
-        table.index_copy_(0, index_d, moved);
-        table.record_stream(compute_);
-        Transfer t;
-        t.tensors.push_back(table);
-        t.landed.push_back(record_untimed(weights_));
-        auto end = record(weights_);
-        t.ready = end;
-        mark("weights", job, start, end, enqueued,
-             static_cast<int64_t>(gathered.nbytes() + index.nbytes()), "weights");
         return t;
     }
 
@@ -282,16 +254,6 @@ class CudaLane final : public DeviceLane {
     }
 
   private:
-    // dst <- src (host), non-blocking on the current stream, in pieces of kChunkBytes.
-    static void copy_in_chunks(at::Tensor &dst, const at::Tensor &src_tensor) {
-        const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / src_tensor.element_size());
-        at::Tensor src = src_tensor.reshape(-1), d = dst.view(-1);
-        for (int64_t off = 0; off < src.numel(); off += per_chunk) {
-            int64_t n = std::min(per_chunk, src.numel() - off);
-            d.narrow(0, off, n).copy_(src.narrow(0, off, n), /*non_blocking=*/true);
-        }
-    }
-
     // `h`, on another GPU, copied to this one on a stream of h's GPU kept for this lane's peer
     // copies. ATen orders a copy between GPUs against both GPUs' current streams (the source's
     // waits for this lane's activation stream, which waited for `h`'s producer; the activation

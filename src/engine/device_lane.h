@@ -4,7 +4,6 @@
 // when its transfers and compute ran, for the timing record.
 #pragma once
 #include <functional>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,17 +72,6 @@ class DeviceLane {
     // Host weights -> device, on the weight stream, large tensors in pieces (meant to keep
     // activation copies queued meanwhile from waiting for a whole stage; see cuda_lane.cpp).
     virtual Transfer upload_weights(const std::vector<at::Tensor> &host, size_t job) = 0;
-    // A lookup table of which the call reads only `rows` (int64 row indices, each once): those
-    // rows gathered and moved alone (for 32,768 tokens at most 268 MB of Qwen3-8B's 1.24 GB table),
-    // into a table of the full shape whose other rows hold NaN, so that a read of one shows in
-    // the results. The default, for CPU devices, builds it in host memory.
-    virtual Transfer upload_table_rows(const at::Tensor &host_table, const at::Tensor &rows,
-                                       size_t /*job*/) {
-        at::Tensor table = at::full(host_table.sizes(), std::numeric_limits<double>::quiet_NaN(),
-                                    host_table.options());
-        table.index_copy_(0, rows, host_table.index_select(0, rows));
-        return {{table}, nullptr, {}};
-    }
     // Host activation (ready after `from.ready`) -> device, on the activation stream.
     virtual Transfer upload(const Transfer &from, size_t job) = 0;
     // Makes the compute stream wait for a transfer.

@@ -309,10 +309,6 @@ double Model::forward_backward(const std::vector<at::Tensor> &inputs, const at::
     ctx.output_device = cfg.output_device;
     ctx.keep_outputs = outputs != nullptr;
     ctx.table_rows = table_rows_of(mb);
-    if (ctx.table_rows.defined() && table_rows_upload_) {
-        ctx.table_param = lookup_table_;
-        ctx.table_row_ids = ctx.table_rows.nonzero().reshape({-1});
-    }
     phase.reset();
     run_training_pipeline(ctx, scale, nullptr);
     phase.emplace(timeline_, "caller", "loss");
@@ -697,8 +693,6 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     defer_table_rows_ = !(defer && std::string(defer) == "0");
     const char *rows = std::getenv("RP_IN_CALL_ROW_GRADIENTS"); // the same
     in_call_row_gradients_ = !(rows && std::string(rows) == "0");
-    const char *upload = std::getenv("RP_TABLE_ROWS_UPLOAD"); // "1": on, until measured
-    table_rows_upload_ = upload && std::string(upload) == "1";
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {

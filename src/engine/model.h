@@ -336,10 +336,6 @@ class Model {
     // In-call steps take an embedding's row gradients (RP_IN_CALL_ROW_GRADIENTS, read likewise;
     // "0": the dense gradient, to measure what the rows give).
     bool in_call_row_gradients_ = true;
-    // A call with deferred table rows uploads only the rows it reads (RP_TABLE_ROWS_UPLOAD,
-    // read likewise; "1": on). An experiment, off until measured on GPUs (bench/RESULTS.md
-    // round 28 says what it should take off the start of each call).
-    bool table_rows_upload_ = false;
     int64_t lookup_table_ = -1; // find_lookup_table()
     CallRows call_rows_;        // what each in-call training call posts for the step before it
     GradScaler scaler_;

@@ -448,23 +448,10 @@ Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, Device
     const std::vector<size_t> params = stage_params(ctx, stage);
     if (ctx.gate)
         ctx.gate->wait(params, ctx.gate_step);
-    // The lookup table, the first layer's only parameter: only the rows this call reads.
-    const bool rows_only = ctx.table_row_ids.defined() && !params.empty() &&
-                           static_cast<int64_t>(params[0]) == ctx.table_param;
     std::vector<at::Tensor> host;
-    for (size_t k = rows_only ? 1 : 0; k < params.size(); ++k)
-        host.push_back(ctx.store.at(params[k]).live);
-    if (!rows_only)
-        return lane.upload_weights(host, job);
-    Transfer table = lane.upload_table_rows(ctx.store.at(params[0]).live, ctx.table_row_ids, job);
-    if (host.empty())
-        return table;
-    // Both on the weight stream, in this order: the rest's `ready` follows the table's too.
-    Transfer all = lane.upload_weights(host, job);
-    all.tensors.insert(all.tensors.begin(), table.tensors[0]);
-    if (!all.landed.empty())
-        all.landed.insert(all.landed.begin(), table.landed[0]);
-    return all;
+    for (size_t pi : params)
+        host.push_back(ctx.store.at(pi).live);
+    return lane.upload_weights(host, job);
 }
 
 void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceLane &lane,

@@ -78,10 +78,6 @@ struct CallContext {
     // In-call steps: the rows of the model's lookup table this call reads (uint8 per row; see
     // Model::table_rows_of); undefined when its table's update is not deferred.
     at::Tensor table_rows;
-    // Set with table_rows when only those rows go up (RP_TABLE_ROWS_UPLOAD): the table's
-    // parameter index and the rows, as sorted int64 indices (DeviceLane::upload_table_rows).
-    int64_t table_param = -1;
-    at::Tensor table_row_ids;
 
     // Written by the jobs; read by the caller once every lane has finished.
     std::vector<std::vector<Transfer>> stage_inputs; // [backward stage][mb], in host memory

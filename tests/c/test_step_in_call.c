@@ -15,9 +15,7 @@
  *    gradients were final (bitwise those of a whole call and an explicit step) and leaves the
  *    others at their old values, every gradient zero;
  *  - an embedding's rows, sent after every microbatch, all reach the table's update (only the
- *    last microbatch's make its gradient final), bit for bit as with explicit steps;
- *  - with RP_TABLE_ROWS_UPLOAD=1 a call uploads only the table rows it reads (the others NaN),
- *    bit for bit as with explicit steps.
+ *    last microbatch's make its gradient final), bit for bit as with explicit steps.
  */
 #include "test_support.h"
 
@@ -483,34 +481,20 @@ static ts_params *train_table(int in_call, double *losses, unsigned char *seen, 
     return masters_after_training(m, t.opt, t.cfg, t.loss);
 }
 
-/* The table's five calls stepping inside the calls (uploading only the rows each names when
- * `rows_upload`) against explicit steps, bit for bit: weights, losses and the rp_forward between
- * two calls. Returns the in-call weights. */
-static ts_params *table_calls_match_explicit_steps(int rows_upload) {
+static void a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps(void **state) {
+    (void)state;
     double explicit_losses[5], in_call_losses[5];
     unsigned char *explicit_seen = malloc(VOCAB * 3 * 4), *in_call_seen = malloc(VOCAB * 3 * 4);
     assert_non_null(explicit_seen);
     assert_non_null(in_call_seen);
     size_t explicit_n = 0, in_call_n = 0;
     ts_params *want = train_table(0, explicit_losses, explicit_seen, &explicit_n);
-    if (rows_upload)
-        setenv("RP_TABLE_ROWS_UPLOAD", "1", 1); /* read by rp_model_set_step_in_call */
     ts_params *got = train_table(1, in_call_losses, in_call_seen, &in_call_n);
-    unsetenv("RP_TABLE_ROWS_UPLOAD");
     ts_assert_params_equal(got, want);
     for (int it = 0; it < 5; ++it)
         assert_true(in_call_losses[it] == explicit_losses[it]);
     assert_true(in_call_n == explicit_n && in_call_n > 0);
     assert_memory_equal(in_call_seen, explicit_seen, in_call_n);
-    ts_params_free(want);
-    free(explicit_seen);
-    free(in_call_seen);
-    return got;
-}
-
-static void a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps(void **state) {
-    (void)state;
-    ts_params *got = table_calls_match_explicit_steps(0);
     /* The steps moved the table's last row, which no token names (ids stop at VOCAB - 2): a
      * zero-gradient row, deferred by every in-call step, decays by lr * weight_decay = 1e-4 per
      * step (AdamW's default decay 1e-2), 5e-4 over the five. */
@@ -520,16 +504,10 @@ static void a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps(vo
     assert_true(ts_rel_err(last, initial->data[0] + (VOCAB - 1) * WIDTH, WIDTH, 1e-30) > 3e-4);
     ts_params_free(initial);
     rp_model_destroy(fresh);
+    ts_params_free(want);
     ts_params_free(got);
-}
-
-/* RP_TABLE_ROWS_UPLOAD=1 (an experiment, off by default): each call uploads only the table's rows
- * its tokens name, into a table whose other rows hold NaN, so a read of any other row would show
- * in the losses and weights. The same calls, bit for bit against explicit steps (which upload the
- * table whole). */
-static void a_table_uploaded_by_its_rows_gives_bitwise_the_weights_of_explicit_steps(void **state) {
-    (void)state;
-    ts_params_free(table_calls_match_explicit_steps(1));
+    free(explicit_seen);
+    free(in_call_seen);
 }
 
 /* An embedding's rows leave the device after every microbatch (docs/semantics.md), but only the
@@ -592,7 +570,6 @@ int main(void) {
         cmocka_unit_test(a_call_failing_in_a_backward_stage_keeps_the_final_updates_only),
         cmocka_unit_test(a_tables_deferred_rows_give_bitwise_the_weights_of_explicit_steps),
         cmocka_unit_test(a_tables_rows_from_every_microbatch_reach_its_in_call_update),
-        cmocka_unit_test(a_table_uploaded_by_its_rows_gives_bitwise_the_weights_of_explicit_steps),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
