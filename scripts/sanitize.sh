@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sanitizer run, called by scripts/test.sh (RP_TEST_SANITIZE=0 skips it there): configures a
 # second build folder with clang, AddressSanitizer + UndefinedBehaviorSanitizer and libFuzzer
-# (-DRP_FUZZ=ON), builds the library, the C tests and the fuzz targets, then
+# (-DRP_FUZZ=ON), builds the library, the C tests and the fuzz targets (nothing else), then
 #   1. runs each fuzz target of tests/fuzz for RP_FUZZ_SECONDS over its seeds
 #      (tests/fuzz/corpus/<target>, tests/fuzz/regressions/<target>);
 #   2. runs the CPU C tests (ctest -L cpu -R '^c_') under the same sanitizers.
@@ -22,7 +22,7 @@
 #   RP_HOST_MEMORY_LIMIT_MB  host memory the library assumes it may use while fuzzed (default 1024):
 #                     many allocations under RP_FUZZ_ALLOC_MB each can still add up past the RSS
 #                     limit; under this limit such a model is refused by the library's host check
-#   RP_JOBS, CUDA_HOME, PYTHON as for scripts/test.sh.
+#   RP_JOBS, RP_TEST_JOBS, CUDA_HOME, PYTHON as for scripts/test.sh.
 # A failing input is left in <build>/fuzz/<target>/ (crash-*, leak-*, timeout-*, oom-*): copy it
 # into tests/fuzz/regressions/<target>/ so that every later run replays it.
 set -uo pipefail
@@ -58,8 +58,11 @@ if [ ! -f "$dir/CMakeCache.txt" ]; then
         -DRP_BUILD_TESTS=ON -DRP_BUILD_EXAMPLES=OFF -DRP_BUILD_BENCH=OFF ||
         rp_die "configuring $dir failed"
 fi
-rp_log "building $dir with $RP_JOBS jobs"
-rp_locked cmake --build "$dir" -j "$RP_JOBS" || rp_die "building $dir failed"
+# Only what runs below: the fuzz targets and the C tests' executables (with the library they
+# link), not the C++ engine and kernel tests, the Python or Rust suites, which run unsanitized.
+rp_log "building the fuzz targets and the C tests in $dir with $RP_JOBS jobs"
+rp_locked cmake --build "$dir" -j "$RP_JOBS" --target rp_fuzz_targets rp_c_tests ||
+    rp_die "building $dir failed"
 
 # Sanitizer settings. libtorch is not instrumented but its allocations go through ASan's
 # allocator: allocator_may_return_null + max_allocation_size_mb turn an allocation too large for
@@ -115,9 +118,10 @@ done
 if [ $run_tests = 1 ]; then
     rp_log "running the CPU C tests under ASan + UBSan"
     t0=$SECONDS
-    # Sanitized tests run a few times slower; ctest's per-test TIMEOUTs stay as they are.
+    # Sanitized tests run a few times slower; ctest's per-test TIMEOUTs stay as they are. Two at a
+    # time (RP_TEST_JOBS), as in scripts/test.sh: CPU tests only, so no GPU is shared.
     if timeout --kill-after=30 "${RP_SANITIZE_TEST_TIMEOUT:-1800}" \
-        ctest --test-dir "$dir" -L cpu -R '^c_' --output-on-failure --no-tests=error \
+        ctest --test-dir "$dir" -L cpu -R '^c_' --output-on-failure --no-tests=error -j "${RP_TEST_JOBS:-2}" \
         >"$dir/c_tests.log" 2>&1; then
         summary+=("C tests: ok ($(grep -E 'tests passed' "$dir/c_tests.log" | tail -1)) in $((SECONDS - t0)) s")
     else

@@ -10,7 +10,8 @@
 # Then, unless ctest arguments were given or RP_TEST_SANITIZE=0, scripts/sanitize.sh: the fuzz
 # targets and the CPU C tests in a second, sanitized build (build-sanitize/).
 # Limits: each test has its own TIMEOUT (default 900 s); the whole run RP_TEST_TIMEOUT seconds
-# (default 1800). Exits non-zero when any test fails or none was found.
+# (default 1800). RP_TEST_JOBS: tests run at once (default 2 without a GPU, 1 with one).
+# Exits non-zero when any test fails or none was found.
 set -euo pipefail
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -34,18 +35,23 @@ if [ -z "$gpu" ]; then
         gpu=1
     fi
 fi
+# Without a GPU, tests run RP_TEST_JOBS at a time (default 2): much of the suite is single-threaded
+# (Python and pip, cargo, SWIG, process start-up), so two at a time keep a 2-core machine busy.
+# With a GPU, one at a time (default), as the GPU tests share the device and its memory.
 labels=()
 if [ "$gpu" = 1 ]; then
     rp_log "GPU visible: running every test, the gpu label included"
+    jobs=${RP_TEST_JOBS:-1}
 else
     rp_log "no GPU: leaving out the tests labelled gpu"
     labels=(-LE gpu)
+    jobs=${RP_TEST_JOBS:-2}
 fi
 
 cd "$RP_BUILD_DIR"
 status=0
 timeout --kill-after=30 "${RP_TEST_TIMEOUT:-1800}" \
-    ctest --output-on-failure --no-tests=error --timeout 900 "${labels[@]}" "$@" || status=$?
+    ctest --output-on-failure --no-tests=error --timeout 900 -j "$jobs" "${labels[@]}" "$@" || status=$?
 
 # Then the sanitizer run (scripts/sanitize.sh): a clang build with ASan + UBSan, each fuzz target
 # of tests/fuzz for 60 s, the CPU C tests under the sanitizers. It runs when no ctest arguments

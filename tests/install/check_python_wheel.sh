@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # ctest install_python_wheel: in a fresh virtualenv that sees the torch already installed
 # (--system-site-packages), `pip wheel --no-deps ./bindings/python` builds a platform wheel that
-# carries libroundpipe.so and requires exactly this torch; `pip install ./bindings/python`
-# installs it; then, from a folder outside the repository and with no ROUNDPIPE_LIBRARY, a
+# carries libroundpipe.so and requires exactly this torch; pip installs that wheel; then, from a folder outside the repository and with no ROUNDPIPE_LIBRARY, a
 # script imports roundpipe, finds the library inside the package and trains a small model; and
 # the load check refuses a library built against another torch.
 #   check_python_wheel.sh <python> <scratch folder>
-# pip builds the library with CMake twice, for the wheel and for the install (a few minutes each
-# on 2 cores): each build gets a new isolated environment, and scikit-build-core then starts its
-# build folder afresh, so a kept build folder would not save anything. pip needs PyPI for
+# pip builds the library with CMake once (minutes on 2 cores), for the wheel. `pip install
+# ./bindings/python`, the README's command, is that same build followed by the install of its
+# wheel, so installing the wheel file checks the install without building the library a second
+# time (which took as long again: each pip build starts a fresh build folder). pip needs PyPI for
 # scikit-build-core (kept in pip's cache).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 python=$1 work=$2
@@ -53,8 +53,8 @@ assert requires == ["Requires-Dist: torch==" + torch], requires
 print("%s: roundpipe/libroundpipe.so, %s" % (name, requires[0]))
 PY
 
-say "pip install ./bindings/python"
-"${pip[@]}" install "$RP_REPO/bindings/python"
+say "pip install the wheel"
+"${pip[@]}" install "$work"/dist/roundpipe-*.whl
 
 run=$(mktemp -d /tmp/rp-python-wheel.XXXXXX)
 trap 'rm -rf "$run"' EXIT
