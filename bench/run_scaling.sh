@@ -31,7 +31,9 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" > "$out/conf
 # RP_LOG_LEVEL=info puts the re-plan's line (measured stage times, the fused call modelled
 # before and after) in each run's log. SCALING_TRACE=1 also writes each run's last training call
 # as a Chrome trace ($OUT/trace_<gpus>[<plan>].json) and its bench/trace_summary.py digest
-# (.summary.json beside it), to see where a count loses time against one GPU.
+# (.summary.json beside it), to see where a count loses time against one GPU, and the last call
+# without a step in flight ($OUT/alone_trace_<gpus>[<plan>].json, train_bench --trace-alone), to
+# see what a step inside the calls costs them.
 for g in ${SCALING_GPUS:-1 2}; do
   plans=(auto)
   [ "$g" -gt 1 ] && plans+=(${SCALING_PLANS:-})
@@ -40,7 +42,9 @@ for g in ${SCALING_GPUS:-1 2}; do
     log=$out/scaling_$g${plan/#auto/}.log
     trace_args=()
     trace=$out/trace_$g${plan/#auto/}.json
-    [ "${SCALING_TRACE:-0}" = 1 ] && trace_args=(--trace "${trace//,/-}")
+    # and the last call without a step in flight beside it (alone_trace_*, outside trace_*'s glob)
+    [ "${SCALING_TRACE:-0}" = 1 ] && trace_args=(--trace "${trace//,/-}"
+      --trace-alone "$(dirname "$trace")/alone_$(basename "${trace//,/-}")")
     RP_LOG_LEVEL=${RP_LOG_LEVEL:-info} timeout 300 "$build/bench/train_bench" \
       --shape "${SCALING_SHAPE:-qwen3-1.7b}" --batch 8 \
       --seq 4096 --microbatches 8 --grain stage --dtype bf16 --devices cuda --num-devices "$g" \
@@ -49,7 +53,7 @@ for g in ${SCALING_GPUS:-1 2}; do
       2> "${log//,/-}" | tail -1 >> "$out/scaling.jsonl"
   done
 done
-python3 "$root/bench/trace_summary.py" --beside "$out"/trace_*.json
+python3 "$root/bench/trace_summary.py" --beside "$out"/trace_*.json "$out"/alone_trace_*.json
 python3 - "$out/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

@@ -21,7 +21,7 @@ namespace {
                  "  [--lr X] [--seed N]\n"
                  "  [--baseline on|off] [--baseline-steps N] [--baseline-warmup N]\n"
                  "  [--baseline-microbatches N (default: --microbatches)]\n"
-                 "  [--trace FILE] [--host-check on|off]\n"
+                 "  [--trace FILE] [--trace-alone FILE] [--host-check on|off]\n"
                  "  [--check] [--label TEXT] [--data-parallel env|off (torchrun's environment)]\n"
                  "  [--lora RANK (0: full fine-tune)] [--lora-targets all-linear|q_proj,...]\n",
                  why.c_str(), argv0, shape_names().c_str());
@@ -57,6 +57,7 @@ bool set_option(Options &o, const char *argv0, const std::string &a, const std::
     else if (a == "--baseline-warmup") o.baseline_warmup = std::stoi(v);
     else if (a == "--baseline-microbatches") o.baseline_microbatches = std::stoll(v);
     else if (a == "--trace") o.trace_file = v;
+    else if (a == "--trace-alone") o.trace_alone_file = v;
     else if (a == "--plan") o.plan = v;
     else if (a == "--backward-plan") o.backward_plan = v;
     else if (a == "--gpu-cap-gib") o.gpu_cap_gib = std::stod(v);

@@ -24,6 +24,7 @@ struct Options {
     int baseline_steps = -1, baseline_warmup = 2;
     int64_t baseline_microbatches = -1; // default: --microbatches
     std::string trace_file;
+    std::string trace_alone_file; // the last call without a step in flight (isolated_phases)
     std::string plan = "auto"; // auto | comma-separated layers per stage
     // auto (the forward stages) | comma-separated layers per backward stage; needs --plan
     std::string backward_plan = "auto";

@@ -213,6 +213,9 @@ void isolated_phases(RoundPipeRun &r, Session &sess, const Options &o) {
         const double fb_ms = ms_since(t0);
         if (i < o.fb_only_steps) {
             r.fb_only_ms.push_back(fb_ms);
+            const char *text = nullptr; // what the timed call's trace is compared with
+            RP_CHECK(rp_model_trace_json(&text, sess.model.m));
+            r.trace_alone_json = text ? text : "";
             progress("roundpipe forward_backward alone " + std::to_string(i + 1) + "/" +
                      std::to_string(o.fb_only_steps) + ": " + std::to_string(fb_ms) + " ms");
         }
@@ -254,6 +257,8 @@ void run_roundpipe(RoundPipeRun &r, const Options &o, int num_gpus) {
     RP_CHECK(rp_model_host_state_bytes(&r.host_state_bytes, &r.host_state_elements, sess.model.m));
     if (!o.trace_file.empty())
         write_trace(o.trace_file, r.trace_json);
+    if (!o.trace_alone_file.empty())
+        write_trace(o.trace_alone_file, r.trace_alone_json);
     r.finished = true;
     for (double l : r.losses)
         if (!std::isfinite(l))

@@ -30,6 +30,7 @@ struct RoundPipeRun {
     int64_t peak_gpu_warmup = -1, peak_gpu_steady = -1, peak_rss = 0;
     int64_t host_state_bytes = 0, host_state_elements = 0;
     std::string trace_json; // of the last timed forward_backward
+    std::string trace_alone_json; // of the last forward_backward without a step (--fb-only-steps)
 };
 
 // Fills `r` as it goes; throws BenchError when a call fails or a loss is not finite.
