@@ -60,13 +60,14 @@ std::vector<Stage> Model::make_plan(int64_t tokens, RecomputeGrain grain, StageU
     r.tokens = static_cast<double>(tokens);
     r.grain = grain;
     r.use = use;
-    // Memory-saving mode on several GPUs: each device's first job of a call waits for the step's
-    // update of that stage (one weight copy, StepGate). With in-call steps that update is the
-    // backlog at the calls' boundary (each device's first stage is its last backward job, so
-    // its gradients are final last); an explicit step updates the stages in order, so the next
-    // call waits for those first. Light leading stages shorten that wait: Qwen3-8B on two H200s,
-    // in-call steps, 2.8-3.8% more tokens/s than the balanced plan in the same lease
-    // (bench/RESULTS.md, round 27). On one GPU the optimizer has no slack in the backward, and
+    // Memory-saving mode on several GPUs: each device's first jobs of a call wait for the step's
+    // update of their stages (one weight copy, StepGate). With in-call steps those updates are
+    // the backlog at the calls' boundary (each device's first stage is its last backward job, its
+    // second stage the one before, so their gradients are final last); an explicit step updates
+    // the stages in order, so the next call waits for those first. Light leading stages shorten
+    // that wait: Qwen3-8B on two H200s, in-call steps, 2.8-3.8% more tokens/s than the balanced
+    // plan in the same lease (bench/RESULTS.md, round 27), and lighter second stages 5% more
+    // (round 29). On one GPU the optimizer has no slack in the backward, and
     // small leading stages only moved the wait to later stages (round 25), so one GPU keeps the
     // balanced plan.
     if (store_.saving() && num_devices() > 1 && use != StageUse::Inference)

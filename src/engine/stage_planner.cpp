@@ -116,6 +116,14 @@ double stage_footprint(const PlanRequest &r, size_t first, size_t end) {
     return fixed + working_set(r, sum, max, end == r.layers.size());
 }
 
+double stage_cost_weight(const PlanRequest &r, size_t stage) {
+    if (stage < r.light_leading_stages)
+        return kLightStageWeight;
+    if (stage < 2 * r.light_leading_stages)
+        return kSecondLightStageWeight;
+    return 1.0;
+}
+
 std::vector<Stage> plan_balanced(const PlanRequest &r) {
     const StageLimits limits(r);
     const size_t n = limits.layers();
@@ -131,7 +139,7 @@ std::vector<Stage> plan_balanced(const PlanRequest &r) {
         std::vector<std::vector<size_t>> cut(num_stages + 1, std::vector<size_t>(n + 1, 0));
         best[0][0] = 0.0;
         for (size_t k = 1; k <= num_stages; ++k) {
-            const double weight = k <= r.light_leading_stages ? kLightStageWeight : 1.0;
+            const double weight = stage_cost_weight(r, k - 1);
             for (size_t i = k; i <= n; ++i) {
                 double act_max = 0;
                 for (size_t j = i; j-- > k - 1;) {

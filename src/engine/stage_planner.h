@@ -39,9 +39,10 @@ struct PlanRequest {
     double tokens = 0;          // tokens of the largest microbatch of the call
     RecomputeGrain grain = RecomputeGrain::Stage;
     StageUse use = StageUse::Fused;
-    // The first `light_leading_stages` stages count their cost kLightStageWeight times, so that
+    // The first `light_leading_stages` stages count their cost kLightStageWeight times and the
+    // next `light_leading_stages` kSecondLightStageWeight times (stage_cost_weight), so that
     // plan_balanced keeps them at most that fraction of the largest other stage. Memory-saving
-    // mode on several GPUs: each device's first job waits for the step's update of its stage,
+    // mode on several GPUs: each device's first jobs wait for the step's update of their stages,
     // which with in-call steps is the backlog at the calls' boundary (Model::make_plan says why).
     size_t light_leading_stages = 0;
 };
@@ -53,6 +54,19 @@ struct PlanRequest {
 // the re-plan gives [3,2,6,6,5,6,6,5]: 15,878-15,963 tokens/s, starting at 92-100 ms, in the
 // same lease (bench/RESULTS.md, round 28).
 constexpr double kLightStageWeight = 2.5;
+
+// 1.5: each device's second stage at most two thirds of the largest other stage. Its gradients
+// are final second last on its device, so its update is also the calls' boundary's backlog: with
+// Qwen3-8B on two H200s, [3,2,6,6,5,6,6,5] left stages 0-3's updates (16 layers and the table's
+// rows, ~250 ms of the optimizer) between the last backward jobs and the next call's forward of
+// stage 3, and device 1 waited 100 ms for stage 3's weights. At 1.5 the re-plan gives
+// [3,3,4,4,6,6,7,6] or [3,2,4,4,7,6,7,6]: 16,288 / 16,358 tokens/s, the optimizer 0.86-0.88
+// hidden, against [3,2,6,6,5,6,6,5]'s 15,728 and 0.82 in the same lease (bench/RESULTS.md,
+// round 29).
+constexpr double kSecondLightStageWeight = 1.5;
+
+// The factor plan_balanced puts on stage `stage`'s cost under `r` (light_leading_stages).
+double stage_cost_weight(const PlanRequest &r, size_t stage);
 
 // Device bytes stage [first, end) of a plan over `r.layers` needs while it computes: its fixed
 // bytes and the activation working set of its worst job for `r.tokens` tokens (see

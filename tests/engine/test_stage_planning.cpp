@@ -218,20 +218,26 @@ void equal_times_prefer_fewer_stages() {
 }
 
 void light_leading_stages_against_brute_force() {
-    // Uneven costs so that the answer is not a round division; four stages, the first two light.
-    const size_t n = 11, stages = 4, light = 2;
+    // Uneven costs so that the answer is not a round division; six stages: the first two light,
+    // the next two lighter than the rest.
+    const size_t n = 13, stages = 6, light = 2;
     rp::PlanRequest r = request(n, 1.0, 0.0);
     for (size_t l = 0; l < n; ++l)
         r.costs[l] = 1.0 + static_cast<double>((l * 5 + 2) % 7) * 0.25;
     r.min_stages = stages;
     r.light_leading_stages = light;
+    auto weight = [&](size_t s) {
+        return s < light       ? rp::kLightStageWeight
+               : s < 2 * light ? rp::kSecondLightStageWeight
+                               : 1.0;
+    };
     auto weighted_max = [&](const std::vector<size_t> &cuts) {
         double worst = 0;
         for (size_t s = 0; s + 1 < cuts.size(); ++s) {
             double cost = 0;
             for (size_t l = cuts[s]; l < cuts[s + 1]; ++l)
                 cost += r.costs[l];
-            worst = std::max(worst, (s < light ? rp::kLightStageWeight : 1.0) * cost);
+            worst = std::max(worst, weight(s) * cost);
         }
         return worst;
     };
@@ -252,7 +258,7 @@ void light_leading_stages_against_brute_force() {
     };
     go(0, stages);
     const std::vector<size_t> got = cuts_of(rp::plan_balanced(r));
-    check(got.size() - 1 == stages, "light leading stages: four stages", got.size() - 1, stages);
+    check(got.size() - 1 == stages, "light leading stages: six stages", got.size() - 1, stages);
     check_close(weighted_max(got), want, "light leading stages: the brute force's weighted most");
     // The same request without light stages: an even split, whose first stages are not light.
     r.light_leading_stages = 0;
