@@ -15,6 +15,7 @@
 # Arguments: fuzz target names to run (default: all, then the C tests). Knobs (environment):
 #   RP_SANITIZE_DIR   build folder (default: <repo>/build-sanitize)
 #   RP_FUZZ_SECONDS   seconds per fuzz target (default 60; 0 replays the seeds only)
+#   RP_FUZZ_JOBS      fuzz targets run at once (default 2)
 #   RP_FUZZ_RSS_MB    libFuzzer's memory limit per process (default 3072)
 #   RP_FUZZ_ALLOC_MB  largest single allocation; bigger ones fail (return NULL) (default 128: a
 #                     valid config of a few 400 MB tensors would otherwise pass the library's
@@ -76,43 +77,66 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:report_error_type=1"
 export LSAN_OPTIONS="suppressions=$RP_ROOT/tests/fuzz/lsan.supp:print_suppressions=0"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RP_OPTIMIZER_THREADS=${RP_OPTIMIZER_THREADS:-1}
 
-failed=()
-summary=()
-for target in "${targets[@]}"; do
-    bin=$dir/tests/fuzz/$target
-    [ -x "$bin" ] || rp_die "no fuzz target $bin"
-    work=$dir/fuzz/$target
+# One fuzz target for $seconds s over its seeds; its verdict, one line, goes to
+# <build>/fuzz/<target>/verdict (the targets run side by side, so each writes its own).
+fuzz_target() {
+    local target=$1
+    local bin=$dir/tests/fuzz/$target work=$dir/fuzz/$target
     mkdir -p "$work/corpus"
-    seeds=("$RP_ROOT/tests/fuzz/corpus/$target")
+    rm -f "$work/verdict"
+    local seeds=("$RP_ROOT/tests/fuzz/corpus/$target")
     [ -d "$RP_ROOT/tests/fuzz/regressions/$target" ] && seeds+=("$RP_ROOT/tests/fuzz/regressions/$target")
-    dict=()
+    local dict=()
     [ -f "$RP_ROOT/tests/fuzz/$target.dict" ] && dict=("-dict=$RP_ROOT/tests/fuzz/$target.dict")
-    log=$work/fuzz.log
+    local log=$work/fuzz.log
     rp_log "fuzzing $target for $seconds s (log: $log)"
-    t0=$SECONDS
+    local t0=$SECONDS
     # New inputs go to $work/corpus (kept between local runs), never into the repository.
     # -timeout: seconds per input; the outer timeout is a guard against a hang in libFuzzer itself.
-    if [ "$seconds" -gt 0 ]; then
-        limit=(-max_total_time="$seconds")
-    else
-        limit=(-runs=0)
-    fi
+    local limit=(-runs=0)
+    [ "$seconds" -gt 0 ] && limit=(-max_total_time="$seconds")
     RP_HOST_MEMORY_LIMIT_MB=${RP_HOST_MEMORY_LIMIT_MB:-1024} \
         timeout --kill-after=30 $((seconds + 300)) "$bin" "${limit[@]}" -timeout=30 \
         -rss_limit_mb="${RP_FUZZ_RSS_MB:-3072}" -max_len=16384 -print_final_stats=1 \
         -artifact_prefix="$work/" "${dict[@]}" "$work/corpus" "${seeds[@]}" >"$log" 2>&1
-    rc=$?
+    local rc=$?
+    local runs
     runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     if [ $rc -eq 0 ]; then
-        summary+=("$target: ok, ${runs:-?} runs in $((SECONDS - t0)) s")
+        echo "$target: ok, ${runs:-?} runs in $((SECONDS - t0)) s" >"$work/verdict"
     else
-        failed+=("$target")
-        summary+=("$target: FAILED (exit $rc) after ${runs:-?} runs, see $log")
-        rp_log "$target failed; the end of its log:"
-        grep -v '^#[0-9]' "$log" | tail -60 >&2
-        ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-* 2>/dev/null |
-            sed 's/^/[roundpipe]   failing input: /' >&2
+        echo "$target: FAILED (exit $rc) after ${runs:-?} runs, see $log" >"$work/verdict"
+        {
+            rp_log "$target failed; the end of its log:"
+            grep -v '^#[0-9]' "$log" | tail -60
+            ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-* 2>/dev/null |
+                sed 's/^/[roundpipe]   failing input: /'
+        } >&2
     fi
+}
+
+failed=()
+summary=()
+for target in "${targets[@]}"; do
+    [ -x "$dir/tests/fuzz/$target" ] || rp_die "no fuzz target $dir/tests/fuzz/$target"
+done
+# RP_FUZZ_JOBS targets at once (default 2): each fuzzer is one single-threaded process (libtorch
+# and the optimizer are held to one thread above), so on 2 cores two run side by side at full
+# speed and the four take half the time.
+running=0
+for target in "${targets[@]}"; do
+    fuzz_target "$target" &
+    running=$((running + 1))
+    if [ "$running" -ge "${RP_FUZZ_JOBS:-2}" ]; then
+        wait -n
+        running=$((running - 1))
+    fi
+done
+wait
+for target in "${targets[@]}"; do
+    verdict=$(cat "$dir/fuzz/$target/verdict" 2>/dev/null || echo "$target: FAILED (no verdict)")
+    summary+=("$verdict")
+    [[ $verdict == "$target: ok"* ]] || failed+=("$target")
 done
 
 if [ $run_tests = 1 ]; then
