@@ -10,7 +10,9 @@
 # Each variant is `name:VAR=value,VAR=value` (no spaces; a value may hold commas). The setting
 # `plan=<layers per stage>` (units, as --plan counts them: e.g. plan=3,6,5,5,5,5,5,5 for the
 # Qwen3-8B shape's 39, the embedding and the head included) is not an environment variable: it runs
-# that variant with `--plan <layers per stage>` after $AB_ARGS. Each runs bench/run_scaling.sh (which
+# that variant with `--plan <layers per stage>` after $AB_ARGS; likewise `microbatches=N` with
+# `--microbatches N`, and `gpus=N` runs it on N GPUs instead of $AB_GPUS (so that one call can hold
+# the one-GPU baseline of a scaling ratio beside the two-GPU runs). Each runs bench/run_scaling.sh (which
 # builds train_bench) with SCALING_GPUS=$AB_GPUS (default 2), SCALING_SHAPE=$AB_SHAPE (default
 # qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving, registered pinning, in-call steps, 2
 # warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
@@ -35,8 +37,13 @@ for variant in ${AB_VARIANTS:?"AB_VARIANTS: name:VAR=value,... per variant"}; do
   [ "$variant" != "$name" ] &&
     mapfile -t settings < <(sed -E 's/,([A-Za-z_][A-Za-z0-9_]*=)/\n\1/g' <<< "${variant#*:}")
   args=${AB_ARGS:---host-memory saving --pin register --step-in-call on --warmup 2 --steps 3}
+  gpus=${AB_GPUS:-2}
   for i in "${!settings[@]}"; do
-    case ${settings[$i]} in plan=*) args+=" --plan ${settings[$i]#plan=}"; unset "settings[$i]" ;; esac
+    case ${settings[$i]} in
+      plan=*) args+=" --plan ${settings[$i]#plan=}"; unset "settings[$i]" ;;
+      microbatches=*) args+=" --microbatches ${settings[$i]#microbatches=}"; unset "settings[$i]" ;;
+      gpus=*) gpus=${settings[$i]#gpus=}; unset "settings[$i]" ;;
+    esac
   done
   if [ $((SECONDS - start)) -gt "${AB_STOP_AFTER:-520}" ]; then
     echo "$name: skipped (past AB_STOP_AFTER)"
@@ -44,7 +51,7 @@ for variant in ${AB_VARIANTS:?"AB_VARIANTS: name:VAR=value,... per variant"}; do
   fi
   dir=$out/env-ab/$name
   mkdir -p "$dir"
-  env "${settings[@]}" OUT="$dir" SCALING_GPUS="${AB_GPUS:-2}" SCALING_SHAPE="${AB_SHAPE:-qwen3-8b}" \
+  env "${settings[@]}" OUT="$dir" SCALING_GPUS="$gpus" SCALING_SHAPE="${AB_SHAPE:-qwen3-8b}" \
     SCALING_TRACE=1 SCALING_ARGS="$args" \
     bash "$root/bench/run_scaling.sh" > "$dir.log" 2>&1
   python3 - "$dir" "$name" <<'PY'
