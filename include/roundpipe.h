@@ -40,10 +40,6 @@
  *     instead of direct peer copies. Read when a model is created.
  *   - RP_UPLOAD_THREAD=0: each GPU's next weight upload is enqueued by its worker before the job
  *     at hand instead of by an uploader thread beside it. Read when a model is created.
- *   - RP_UPLOAD_AS_OPENED=1: in memory-saving mode a stage's weights go up in runs, each as soon
- *     as the step before the call has updated it, instead of once the whole stage is updated;
- *     the weights the devices read are the same. Off by default until measured on GPUs. Read
- *     once.
  *   - RP_HOST_MEMORY_LIMIT_MB=N: host memory the library may plan for, when less than the
  *     machine's (docs/semantics.md "Host memory").
  *   - RP_LOG_LEVEL=debug|info|warn|error: the lowest level of log message the library emits, to

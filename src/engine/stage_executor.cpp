@@ -1,7 +1,5 @@
 #include "engine/stage_executor.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 
 #include <torch/csrc/autograd/variable.h>
@@ -445,53 +443,15 @@ bool stage_weights_ready(const CallContext &ctx, const Stage &stage) {
     return !ctx.gate || ctx.gate->is_open(stage_params(ctx, stage), ctx.gate_step);
 }
 
-namespace {
-
-// RP_UPLOAD_AS_OPENED=1 uploads a gated stage in runs as the step opens its parameters (below).
-// Off by default until measured on GPUs: without it a stage goes up once the step has opened all
-// of it, the path the GPU checks and benchmarks so far ran.
-bool uploads_as_opened() {
-    static const bool on = [] {
-        const char *v = std::getenv("RP_UPLOAD_AS_OPENED");
-        return v && std::strcmp(v, "1") == 0;
-    }();
-    return on;
-}
-
-void append(Transfer &all, Transfer part) {
-    all.tensors.insert(all.tensors.end(), part.tensors.begin(), part.tensors.end());
-    all.landed.insert(all.landed.end(), part.landed.begin(), part.landed.end());
-    all.ready = std::move(part.ready); // the weight stream's last: every part before it landed
-}
-
-} // namespace
-
 Transfer upload_stage_weights(const CallContext &ctx, const Stage &stage, DeviceLane &lane,
                               size_t job) {
     const std::vector<size_t> params = stage_params(ctx, stage);
+    if (ctx.gate)
+        ctx.gate->wait(params, ctx.gate_step);
     std::vector<at::Tensor> host;
     for (size_t pi : params)
         host.push_back(ctx.store.at(pi).live);
-    if (!ctx.gate || params.empty())
-        return lane.upload_weights(host, job);
-    if (!uploads_as_opened()) {
-        ctx.gate->wait(params, ctx.gate_step);
-        return lane.upload_weights(host, job);
-    }
-    // Memory-saving mode: the step updates the stage's parameters one after another. Each run of
-    // parameters it has opened goes up at once, so the upload overlaps the rest of the update:
-    // with steps inside the calls, the stages updated at the calls' boundary otherwise wait for
-    // that update, then for their upload (bench/RESULTS.md, round 29). Compute waits for each
-    // layer's weights (make_leaves), so the per-tensor markers of the parts are kept in order.
-    Transfer all;
-    for (size_t from = 0; from < params.size();) {
-        const size_t end = ctx.gate->wait_run(params, from, ctx.gate_step);
-        append(all, lane.upload_weights({host.begin() + static_cast<std::ptrdiff_t>(from),
-                                         host.begin() + static_cast<std::ptrdiff_t>(end)},
-                                        job));
-        from = end;
-    }
-    return all;
+    return lane.upload_weights(host, job);
 }
 
 void run_stage_job(CallContext &ctx, JobKind kind, size_t job, size_t s, DeviceLane &lane,

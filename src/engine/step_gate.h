@@ -1,8 +1,7 @@
 // Per-parameter record of the last optimizer step whose result the parameter's weights hold.
 // In memory-saving mode there is one weight copy, so an asynchronous step and the next call
 // share it: the step updates parameters in order and opens each one as it finishes, and the
-// call uploads a parameter only once it is open for the step before it (a stage's parameters go
-// up in runs as they open, upload_stage_weights).
+// call uploads a stage only once every parameter of the stage is open for the step before it.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -39,16 +38,6 @@ class StepGate {
     void wait(const std::vector<size_t> &params, int64_t step) const {
         std::unique_lock<std::mutex> lock(mutex_);
         changed_.wait(lock, [&] { return all_open(params, step); });
-    }
-    // Blocks until params[from] is open for `step`; returns the end of the run of parameters
-    // open from `from` on (at least from + 1).
-    size_t wait_run(const std::vector<size_t> &params, size_t from, int64_t step) const {
-        std::unique_lock<std::mutex> lock(mutex_);
-        changed_.wait(lock, [&] { return opened_[params[from]] >= step; });
-        size_t end = from + 1;
-        while (end < params.size() && opened_[params[end]] >= step)
-            ++end;
-        return end;
     }
 
   private:
