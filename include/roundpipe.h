@@ -22,8 +22,9 @@
  *
  * Environment variables the library reads (every one it reads is listed here):
  *   - RP_OPTIMIZER_THREADS=N: cap the threads of the CPU optimizer's parallel loops (AdamW, SGD,
- *     the overflow check) at N >= 1; unset or invalid, libtorch's intra-op thread count is used.
- *     Read when a model's optimizer thread starts.
+ *     the overflow check) at N >= 1; unset or invalid, libtorch's intra-op thread count is used
+ *     in memory-saving mode and half of it in standard mode (ranks sharing a host: an even share
+ *     of the cores). Read when a model's optimizer thread starts.
  *   - RP_OPTIMIZER_BLOCKS=0: the optimizer's loops split each parameter into one equal share per
  *     thread instead of letting the threads take blocks of 65,536 elements from a shared
  *     counter (which keeps a thread that shares its core with the devices' workers from holding

@@ -31,6 +31,13 @@ int host_thread_count(const char *requested, const char *local_world_size, int c
     return std::max(1, openmp_default);
 }
 
+int optimizer_thread_count(const char *requested, const char *local_world_size, int cores,
+                           int openmp_default, bool beside_whole_calls) {
+    const bool alone = positive_count(requested) == 0 && positive_count(local_world_size) <= 1;
+    const int n = host_thread_count(requested, local_world_size, cores, openmp_default);
+    return alone && beside_whole_calls ? std::max(1, n / 2) : n;
+}
+
 int available_cores() {
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof(set), &set) == 0)
@@ -41,6 +48,14 @@ int available_cores() {
 int use_host_threads(const char *requested) {
     const int n = host_thread_count(requested, std::getenv("LOCAL_WORLD_SIZE"), available_cores(),
                                     omp_get_max_threads());
+    omp_set_num_threads(n);
+    return n;
+}
+
+int use_optimizer_threads(bool beside_whole_calls) {
+    const int n =
+        optimizer_thread_count(std::getenv("RP_OPTIMIZER_THREADS"), std::getenv("LOCAL_WORLD_SIZE"),
+                               available_cores(), omp_get_max_threads(), beside_whole_calls);
     omp_set_num_threads(n);
     return n;
 }

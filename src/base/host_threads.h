@@ -16,11 +16,26 @@ namespace rp {
 int host_thread_count(const char *requested, const char *local_world_size, int cores,
                       int openmp_default);
 
+// The CPU optimizer's count: host_thread_count, except that one process alone in standard mode
+// (`beside_whole_calls`: each step runs beside the whole next call, which it need only keep pace
+// with) takes half of OpenMP's default. Its threads share the host with the device workers'
+// kernel launches and the uploads, and fewer of them slow the devices less: with half the cores,
+// Qwen3-1.7B in standard mode ran 3-4% faster (bench/RESULTS.md: one H200 host of 16 cores in
+// round 2; two H200s on 32 cores in rounds 16 and 30), while 24 of 32 gained nothing (rounds 19
+// and 30). Memory-saving mode keeps every thread: its in-call updates set the pace, and half of 16
+// cores cost its Qwen3-8B run 22% (round 2).
+int optimizer_thread_count(const char *requested, const char *local_world_size, int cores,
+                           int openmp_default, bool beside_whole_calls);
+
 // The cores this process may run on (its CPU affinity), at least 1.
 int available_cores();
 
 // Sizes the calling thread's OpenMP teams by host_thread_count (with $LOCAL_WORLD_SIZE, this
 // process's cores and the thread's OpenMP default) and returns the count.
 int use_host_threads(const char *requested);
+
+// Sizes the calling thread's OpenMP teams by optimizer_thread_count, with $RP_OPTIMIZER_THREADS,
+// $LOCAL_WORLD_SIZE, this process's cores and the thread's OpenMP default; returns the count.
+int use_optimizer_threads(bool beside_whole_calls);
 
 } // namespace rp

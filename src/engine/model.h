@@ -341,7 +341,7 @@ class Model {
     GradScaler scaler_;
     StepGate gate_{store_.size()}; // memory-saving mode: which step each parameter holds
     std::unique_ptr<PendingBackward> pending_;
-    StepRunner runner_; // last member: its thread stops first
+    StepRunner runner_{!store_.saving()}; // last member: its thread stops first
 };
 
 } // namespace rp

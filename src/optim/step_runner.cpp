@@ -1,6 +1,5 @@
 #include "optim/step_runner.h"
 
-#include <cstdlib>
 #include <string>
 
 #include "base/host_threads.h"
@@ -9,7 +8,8 @@
 
 namespace rp {
 
-StepRunner::StepRunner() : thread_([this] { loop(); }) {}
+StepRunner::StepRunner(bool beside_whole_calls)
+    : thread_([this, beside_whole_calls] { loop(beside_whole_calls); }) {}
 
 StepRunner::~StepRunner() {
     {
@@ -40,13 +40,13 @@ std::exception_ptr StepRunner::take_error() {
     return e;
 }
 
-void StepRunner::loop() {
+void StepRunner::loop(bool beside_whole_calls) {
     name_this_thread("rp-optimizer"); // before its OpenMP team exists: the team inherits it
     // The optimizer's parallel loops are OpenMP teams started from this thread only; their size
     // is set here (host_threads.h says how it is chosen). The CPU optimizer shares host memory
     // bandwidth and cores with the weight uploads, the gradient thread and the device workers'
     // kernel launches.
-    const int threads = use_host_threads(std::getenv("RP_OPTIMIZER_THREADS"));
+    const int threads = use_optimizer_threads(beside_whole_calls);
     log(LogLevel::Debug, "optimizer: " + std::to_string(threads) + " threads");
     for (;;) {
         std::function<void()> task;

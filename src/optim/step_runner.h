@@ -12,7 +12,9 @@ namespace rp {
 
 class StepRunner {
   public:
-    StepRunner();
+    // `beside_whole_calls`: standard mode, where each step runs beside the whole next call
+    // (host_threads.h, optimizer_thread_count).
+    explicit StepRunner(bool beside_whole_calls);
     ~StepRunner(); // drains the queue, then joins
 
     StepRunner(const StepRunner &) = delete;
@@ -28,7 +30,7 @@ class StepRunner {
     bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   private:
-    void loop();
+    void loop(bool beside_whole_calls);
 
     std::mutex mutex_;
     std::condition_variable wake_;

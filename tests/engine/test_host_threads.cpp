@@ -1,7 +1,7 @@
 // The engine's host threads' count (src/base/host_threads.h), against hand-worked cases: an
 // explicit count (RP_OPTIMIZER_THREADS) wins, ranks sharing a host split its cores (so torchrun's
 // OMP_NUM_THREADS=1 for several local ranks does not starve them), one process keeps OpenMP's
-// default.
+// default; the optimizer in standard mode, half of that default.
 #include <cstdio>
 #include <cstdlib>
 
@@ -34,6 +34,15 @@ int main() {
     expect(host_thread_count("8x", "2", 32, 1), 16, "trailing text is unset");
     expect(host_thread_count(nullptr, "two", 32, 7), 7, "local size not a count");
     expect(host_thread_count(nullptr, nullptr, 32, 0), 1, "at least one thread");
+    // the optimizer: half of one process's default in standard mode, nothing else changes
+    using rp::optimizer_thread_count;
+    expect(optimizer_thread_count(nullptr, nullptr, 32, 32, true), 16, "standard mode: half");
+    expect(optimizer_thread_count(nullptr, nullptr, 32, 32, false), 32, "memory-saving: all");
+    expect(optimizer_thread_count(nullptr, nullptr, 32, 7, true), 3, "half of an odd default");
+    expect(optimizer_thread_count(nullptr, nullptr, 32, 1, true), 1, "at least one thread");
+    expect(optimizer_thread_count("24", nullptr, 32, 32, true), 24, "RP_OPTIMIZER_THREADS wins");
+    expect(optimizer_thread_count(nullptr, "2", 32, 1, true), 16, "local ranks keep their share");
+    expect(optimizer_thread_count("x", "1", 32, 12, true), 6, "invalid text, one rank: half");
     if (rp::available_cores() < 1) {
         std::fprintf(stderr, "FAIL available_cores below 1\n");
         ++failures;
