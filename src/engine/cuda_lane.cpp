@@ -2,11 +2,11 @@
 // device-to-host copy, so copies in both directions are asynchronous.
 #include "engine/device_lane.h"
 
+#include "base/env_switch.h"
 #include "base/error.h"
 
 #ifdef RP_HAVE_CUDA
 #include <chrono>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -33,10 +33,7 @@ constexpr int64_t kChunkBytes = 32 << 20;
 // made with cudaEventBlockingSync put the waiting thread to sleep. RP_EVENT_BLOCKING_SYNC=0
 // restores the spinning waits, to measure what this gives.
 unsigned event_flags(bool timing) {
-    static const bool blocking = [] {
-        const char *v = std::getenv("RP_EVENT_BLOCKING_SYNC");
-        return !(v && std::string(v) == "0");
-    }();
+    static const bool blocking = env_switch_on("RP_EVENT_BLOCKING_SYNC");
     return (timing ? cudaEventDefault : cudaEventDisableTiming) |
            (blocking ? cudaEventBlockingSync : cudaEventDefault);
 }

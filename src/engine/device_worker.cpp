@@ -1,9 +1,8 @@
 #include "engine/device_worker.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
+#include "base/env_switch.h"
 #include "base/thread_name.h"
 
 namespace rp {
@@ -20,10 +19,7 @@ std::string worker_thread_name(const at::Device &device) {
 
 // RP_UPLOAD_THREAD=0 enqueues the next job's upload on the worker, before the job at hand, as
 // before the uploader existed: to measure what the uploader gives.
-bool uploads_on_their_own_thread() {
-    const char *v = std::getenv("RP_UPLOAD_THREAD");
-    return !(v && std::strcmp(v, "0") == 0);
-}
+bool uploads_on_their_own_thread() { return env_switch_on("RP_UPLOAD_THREAD"); }
 
 } // namespace
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <optional>
 
+#include "base/env_switch.h"
 #include "base/error.h"
 #include "base/host_memory.h"
 #include "base/log.h"
@@ -430,10 +431,7 @@ void Model::gate_call(CallContext &ctx) const {
 
 void Model::offer_next_call_weights(CallContext &ctx) const {
     // RP_NEXT_CALL_WEIGHTS=0 turns this off, to measure what it gives.
-    static const bool enabled = [] {
-        const char *v = std::getenv("RP_NEXT_CALL_WEIGHTS");
-        return !(v && std::string(v) == "0");
-    }();
+    static const bool enabled = env_switch_on("RP_NEXT_CALL_WEIGHTS");
     // Memory-saving mode has one weight copy, which the next step rewrites in place.
     if (!enabled || store_.saving() || pipeline_.device(0).is_cpu())
         return;
@@ -689,10 +687,9 @@ void Model::set_step_in_call(const OptimizerSettings *settings) {
     check_step_in_call();
     builtin_optimizer(settings->kind);
     in_call_ = *settings;
-    const char *defer = std::getenv("RP_DEFER_TABLE_ROWS"); // "0": off, to measure what it gives
-    defer_table_rows_ = !(defer && std::string(defer) == "0");
-    const char *rows = std::getenv("RP_IN_CALL_ROW_GRADIENTS"); // the same
-    in_call_row_gradients_ = !(rows && std::string(rows) == "0");
+    // Both "0": off, to measure what they give.
+    defer_table_rows_ = env_switch_on("RP_DEFER_TABLE_ROWS");
+    in_call_row_gradients_ = env_switch_on("RP_IN_CALL_ROW_GRADIENTS");
 }
 
 std::shared_ptr<FinalFeed> Model::start_in_call_step(const CallContext &ctx) {

@@ -1,10 +1,10 @@
 #include "engine/pipeline.h"
 
-#include <cstdlib>
 #include <string>
 
-#include "engine/cuda_memory.h"
+#include "base/env_switch.h"
 #include "base/error.h"
+#include "engine/cuda_memory.h"
 
 namespace rp {
 
@@ -17,8 +17,7 @@ Pipeline::Pipeline(const std::vector<at::Device> &devices) {
     }
     // RP_PEER_HAND_OFFS=0 sends hand-offs through host memory, to measure what the direct
     // copies give.
-    const char *peer = std::getenv("RP_PEER_HAND_OFFS");
-    peer_hand_offs_ = gpus.size() == devices.size() && !(peer && std::string(peer) == "0") &&
+    peer_hand_offs_ = gpus.size() == devices.size() && env_switch_on("RP_PEER_HAND_OFFS") &&
                       gpus_copy_peer_to_peer(gpus);
 }
 

@@ -12,8 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
+
+#include "base/env_switch.h"
 
 namespace rp {
 
@@ -26,10 +26,7 @@ constexpr int64_t kOptimizerBlock = 1 << 16;
 // share per thread: RP_OPTIMIZER_BLOCKS=0 asks for the equal shares, to measure what the blocks
 // give. Read once (an inline function's static is one for the whole program).
 inline bool optimizer_blocks_enabled() {
-    static const bool enabled = [] {
-        const char *v = std::getenv("RP_OPTIMIZER_BLOCKS");
-        return !(v && std::strcmp(v, "0") == 0);
-    }();
+    static const bool enabled = env_switch_on("RP_OPTIMIZER_BLOCKS");
     return enabled;
 }
 
