@@ -20,7 +20,7 @@ int host_thread_count(const char *requested, const char *local_world_size, int c
 // (`beside_whole_calls`: each step runs beside the whole next call, which it need only keep pace
 // with) takes half of OpenMP's default. Its threads share the host with the device workers'
 // kernel launches and the uploads, and fewer of them slow the devices less: with half the cores,
-// Qwen3-1.7B in standard mode ran 3-4% faster (bench/RESULTS.md: one H200 host of 16 cores in
+// Qwen3-1.7B in standard mode ran 2.6-5.9% faster (bench/RESULTS.md: one H200 host of 16 cores in
 // round 2; two H200s on 32 cores in rounds 16 and 30), while 24 of 32 gained nothing (rounds 19
 // and 30). Memory-saving mode keeps every thread: its in-call updates set the pace, and half of 16
 // cores cost its Qwen3-8B run 22% (round 2).
