@@ -14,8 +14,8 @@ static void expect(const char *value, bool want) {
     else
         unsetenv(name);
     if (rp::env_switch_on(name) != want) {
-        std::fprintf(stderr, "FAIL value %s: got %d, want %d\n", value ? value : "(unset)",
-                     !want, want);
+        std::fprintf(stderr, "FAIL value %s: got %d, want %d\n", value ? value : "(unset)", !want,
+                     want);
         ++failures;
     }
 }
