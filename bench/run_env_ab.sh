@@ -11,13 +11,13 @@
 # `plan=<layers per stage>` (units, as --plan counts them: e.g. plan=3,6,5,5,5,5,5,5 for the
 # Qwen3-8B shape's 39, the embedding and the head included) is not an environment variable: it runs
 # that variant with `--plan <layers per stage>` after $AB_ARGS; likewise `microbatches=N` with
-# `--microbatches N`, and `gpus=N` runs it on N GPUs instead of $AB_GPUS (so that one call can hold
-# the one-GPU baseline of a scaling ratio beside the two-GPU runs). Each runs bench/run_scaling.sh (which
-# builds train_bench) with SCALING_GPUS=$AB_GPUS (default 2), SCALING_SHAPE=$AB_SHAPE (default
-# qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving, registered pinning, in-call steps, 2
-# warm-up and 3 timed steps) and SCALING_TRACE=1. A variant that would start after $AB_STOP_AFTER
-# seconds (default 520, for a device call's 600) is skipped. Prints one line per variant (tokens/s,
-# iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call
+# `--microbatches N`, and `gpus=N` runs it on N GPUs instead of $AB_GPUS (so that one call can
+# hold the one-GPU baseline of a scaling ratio beside the two-GPU runs). Each runs
+# bench/run_scaling.sh (which builds train_bench) with SCALING_GPUS=$AB_GPUS (default 2),
+# SCALING_SHAPE=$AB_SHAPE (default qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving,
+# registered pinning, in-call steps, 2 warm-up and 3 timed steps) and SCALING_TRACE=1. A variant
+# that would start after $AB_STOP_AFTER seconds (default 520, for a device call's 600) is skipped.
+# Prints one line per variant (tokens/s, iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call
 # and its rate where the spans name their elements, when its first compute started, the plan used)
 # and a second with the cores each named thread group kept busy through the timed loop;
 # every run's output in $OUT/env-ab.tgz.

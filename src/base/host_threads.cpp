@@ -33,9 +33,10 @@ int host_thread_count(const char *requested, const char *local_world_size, int c
 
 int optimizer_thread_count(const char *requested, const char *local_world_size, int cores,
                            int openmp_default, bool beside_whole_calls) {
-    const bool alone = positive_count(requested) == 0 && positive_count(local_world_size) <= 1;
-    const int n = host_thread_count(requested, local_world_size, cores, openmp_default);
-    return alone && beside_whole_calls ? std::max(1, n / 2) : n;
+    // Only the last of host_thread_count's three sources changes: an explicit count and the
+    // ranks' share stay as they are.
+    return host_thread_count(requested, local_world_size, cores,
+                             beside_whole_calls ? openmp_default / 2 : openmp_default);
 }
 
 int available_cores() {
