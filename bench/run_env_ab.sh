@@ -17,10 +17,10 @@
 # SCALING_SHAPE=$AB_SHAPE (default qwen3-8b), SCALING_ARGS=$AB_ARGS (default: memory-saving,
 # registered pinning, in-call steps, 2 warm-up and 3 timed steps) and SCALING_TRACE=1. A variant
 # that would start after $AB_STOP_AFTER seconds (default 520, for a device call's 600) is skipped.
-# Prints one line per variant (tokens/s, iteration, fb alone, step alone ms, optimizer hidden, peak GiB, optimizer ms in the traced call
-# and its rate where the spans name their elements, when its first compute started, the plan used)
-# and a second with the cores each named thread group kept busy through the timed loop;
-# every run's output in $OUT/env-ab.tgz.
+# Prints one line per variant (tokens/s, iteration, fb alone, step alone ms, optimizer hidden, peak
+# GiB, optimizer ms in the traced call and its rate where the spans name their elements, when its
+# first compute started, the plan used) and a second with the cores each named thread group kept
+# busy through the timed loop; every run's output in $OUT/env-ab.tgz.
 #
 # Without two GPUs, `AB_GPUS=1` with `--seq 2048` in AB_ARGS is a stand-in for the two-GPU
 # Qwen3-8B call: half the compute, the same optimizer work, so the optimizer sets the pace as it
